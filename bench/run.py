@@ -1,0 +1,450 @@
+"""Benchmark blockdiff against a full copy, a reflink clone and the kernel floor.
+
+    python bench/run.py [--quick] [--repeat N] [--json out.json]
+                        [--only a,b,c] [--drop-caches none|copy|all]
+
+Needs root (loop device + XFS mount), xfsprogs, cc.  See bench/README.md for
+what each row of the tables means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+import workloads  # noqa: E402
+
+FIEMAP_EXTENT_SHARED = 0x2000
+
+
+# --------------------------------------------------------------------------
+# helpers
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class ProcError(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass
+class Sample:
+    seconds: float
+    maxrss_kb: int
+    wall_s: float
+    info: dict = dataclasses.field(default_factory=dict)
+
+
+RUSAGE: str = "rusage"  # path of the compiled rusage.c, set in main()
+
+
+def run_proc(argv: list[str], env: dict | None = None) -> tuple[float, int, str]:
+    """Run argv to completion under rusage.c; return (wall seconds, peak RSS
+    kB, stdout).  Wall time is fork to wait4 in rusage.c; the peak RSS is
+    wait4()'s ru_maxrss for that one child (with what it waited for)."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+            tempfile.NamedTemporaryFile("r", suffix=".json") as rep:
+        p = subprocess.run([RUSAGE, rep.name] + argv, stdout=out, stderr=err, env=env, cwd="/")
+        out.seek(0)
+        err.seek(0)
+        stdout = out.read().decode(errors="replace")
+        stderr = err.read().decode(errors="replace")
+        report = rep.read()
+    if p.returncode != 0:
+        tail = " | ".join(stderr.strip().splitlines()[-3:])
+        raise ProcError(f"{shlex.join(argv)} exited {p.returncode}: {tail}")
+    r = json.loads(report)
+    return r["wall_s"], r["maxrss_kb"], stdout
+
+
+def last_json_line(text: str) -> dict:
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            return json.loads(line)
+    raise ValueError(f"no JSON in output: {text[-200:]!r}")
+
+
+def drop_caches() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def rm(*paths: str) -> None:
+    for p in paths:
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+
+
+def compile_c(tmpdir: str, name: str) -> str:
+    cc = os.environ.get("CC", "cc")
+    exe = os.path.join(tmpdir, name)
+    subprocess.run([cc, "-O2", "-o", exe, os.path.join(HERE, name + ".c")], check=True)
+    return exe
+
+
+def settle(mountpoint: str, drop: bool) -> None:
+    """Quiesce the scratch filesystem before a timed run: write back dirty
+    data, then freeze and thaw it, which also finishes XFS's background
+    inode inactivation (e.g. freeing the extents of the previous run's output,
+    removed just before).  Optionally drop the page cache too."""
+    os.sync()
+    subprocess.run(["fsfreeze", "-f", mountpoint], check=True)
+    subprocess.run(["fsfreeze", "-u", mountpoint], check=True)
+    if drop:
+        drop_caches()
+
+
+def find_blockdiff() -> tuple[dict | None, str]:
+    """Environment in which `import blockdiff.engine` works in a child
+    interpreter: as installed, else from this checkout.  Returns (env, where)
+    or (None, reason)."""
+    probe = "import blockdiff, blockdiff.engine; print(blockdiff.__file__)"
+    plain = os.environ.copy()
+    local = os.environ.copy()
+    local["PYTHONPATH"] = os.pathsep.join(
+        [REPO] + ([plain["PYTHONPATH"]] if plain.get("PYTHONPATH") else [])
+    )
+    reason = ""
+    for env in (plain, local):
+        r = subprocess.run([sys.executable, "-c", probe], env=env, cwd="/",
+                           capture_output=True, text=True)
+        if r.returncode == 0:
+            return env, r.stdout.strip()
+        reason = (r.stderr.strip().splitlines() or ["import failed"])[-1]
+    return None, reason
+
+
+def shared_extents(path: str) -> int:
+    return sum(1 for e in workloads.fiemap(path) if e[3] & FIEMAP_EXTENT_SHARED)
+
+
+# --------------------------------------------------------------------------
+# operations
+
+
+@dataclasses.dataclass
+class Op:
+    key: str
+    label: str
+    kind: str  # copy | create | apply | other
+    run: Callable[[], Sample]
+    outputs: tuple[str, ...] = ()  # removed before each run
+    restored: str | None = None  # verified against the target after the runs
+    needs: str | None = None  # key of the op whose output this one reads
+    drop: bool = False  # drop the page cache before each run (copy rows)
+    skip: str | None = None  # reason the op is not run
+
+
+def proc_sample(argv, env=None) -> Sample:
+    wall, rss, _ = run_proc(argv, env)
+    return Sample(wall, rss, wall)
+
+
+def floor_sample(argv) -> Sample:
+    wall, rss, out = run_proc(argv)
+    info = last_json_line(out)
+    return Sample(info["total_s"], rss, wall, info)
+
+
+def worker_sample(args: list[str], env: dict) -> Sample:
+    argv = [sys.executable, os.path.join(HERE, "libworker.py")] + args
+    wall, rss, out = run_proc(argv, env)
+    info = last_json_line(out)
+    return Sample(info["seconds"], info["maxrss_kb"], wall, info)
+
+
+def make_ops(wl: workloads.Workload, floor: str, bd_env: dict | None, bd_reason: str,
+             formats: list[str], cli_format: str, peer: list[str] | None) -> list[Op]:
+    d, T, B = wl.dir, wl.target, wl.base
+    p = lambda name: os.path.join(d, name)  # noqa: E731
+    ops: list[Op] = []
+
+    ops.append(Op(
+        "full_copy", "full copy (cp --reflink=never + fsync)", "copy",
+        lambda: proc_sample(["sh", "-c", 'cp --reflink=never "$1" "$2" && sync "$2"', "sh",
+                             T, p("copy.img")]),
+        outputs=(p("copy.img"),), drop=True))
+    ops.append(Op(
+        "reflink_clone", "reflink clone (cp --reflink=always + fsync)", "copy",
+        lambda: proc_sample(["sh", "-c", 'cp --reflink=always "$1" "$2" && sync "$2"', "sh",
+                             T, p("clone.img")]),
+        outputs=(p("clone.img"),)))
+    ops.append(Op(
+        "floor_create", "kernel floor: create (floor.c)", "create",
+        lambda: floor_sample([floor, "create", T, B, p("floor.diff")]),
+        outputs=(p("floor.diff"), p("floor.diff.ranges"))))
+    ops.append(Op(
+        "floor_apply", "kernel floor: apply (floor.c)", "apply",
+        lambda: floor_sample([floor, "apply", p("floor.diff"), B, p("floor.restored")]),
+        outputs=(p("floor.restored"),), restored=p("floor.restored"), needs="floor_create"))
+
+    skip = None if bd_env is not None else f"blockdiff not importable: {bd_reason}"
+    env = bd_env or {}
+    ops.append(Op(
+        "python_import", "python start-up + import blockdiff.engine", "other",
+        lambda: proc_sample([sys.executable, "-c", "import blockdiff.engine"], env),
+        skip=skip))
+    for fmt in formats:
+        diff, rest = p(f"lib-{fmt}.diff"), p(f"lib-{fmt}.restored")
+        ops.append(Op(
+            f"lib_create_{fmt}", f"blockdiff create_diff() in-process, {fmt}", "create",
+            lambda diff=diff, fmt=fmt: worker_sample(["create", diff, T, B, fmt], env),
+            outputs=(diff,), skip=skip))
+        ops.append(Op(
+            f"lib_apply_{fmt}", f"blockdiff apply_diff() in-process, {fmt}", "apply",
+            lambda diff=diff, rest=rest: worker_sample(["apply", diff, rest, B], env),
+            outputs=(rest,), restored=rest, needs=f"lib_create_{fmt}", skip=skip))
+    diff, rest = p("cli.diff"), p("cli.restored")
+    cli = [sys.executable, "-m", "blockdiff"]
+    ops.append(Op(
+        "cli_create", f"python -m blockdiff create --format {cli_format}", "create",
+        lambda: proc_sample(cli + ["create", diff, T, "--base", B, "--format", cli_format], env),
+        outputs=(diff,), skip=skip))
+    ops.append(Op(
+        "cli_apply", "python -m blockdiff apply", "apply",
+        lambda: proc_sample(cli + ["apply", diff, rest, "--base", B], env),
+        outputs=(rest,), restored=rest, needs="cli_create", skip=skip))
+
+    if peer:
+        name = os.path.basename(peer[0]) if len(peer) == 1 else shlex.join(peer)
+        diff, rest = p("peer.diff"), p("peer.restored")
+        ops.append(Op(
+            "peer_create", f"peer: {name} create", "create",
+            lambda: proc_sample(peer + ["create", diff, T, "--base", B]),
+            outputs=(diff,)))
+        ops.append(Op(
+            "peer_apply", f"peer: {name} apply", "apply",
+            lambda: proc_sample(peer + ["apply", diff, rest, "--base", B]),
+            outputs=(rest,), restored=rest, needs="peer_create"))
+    return ops
+
+
+def run_op(op: Op, wl: workloads.Workload, mountpoint: str, repeat: int, drop_policy: str,
+           failed: set[str]) -> dict:
+    rec: dict = {"label": op.label, "kind": op.kind}
+    if op.skip:
+        rec["skipped"] = op.skip
+        return rec
+    if op.needs and op.needs in failed:
+        rec["skipped"] = f"{op.needs} did not succeed"
+        failed.add(op.key)
+        return rec
+    samples: list[Sample] = []
+    try:
+        for i in range(repeat):
+            rm(*op.outputs)
+            settle(mountpoint, drop_policy == "all" or (drop_policy == "copy" and op.drop))
+            samples.append(op.run())
+    except (ProcError, OSError, ValueError, KeyError) as e:
+        rec["error"] = str(e)
+        failed.add(op.key)
+        log(f"  {op.key}: ERROR {e}")
+        return rec
+    secs = [s.seconds for s in samples]
+    rec.update(
+        median_s=statistics.median(secs),
+        min_s=min(secs),
+        max_s=max(secs),
+        runs_s=secs,
+        wall_s=[s.wall_s for s in samples],
+        maxrss_kb=max(s.maxrss_kb for s in samples),
+    )
+    infos = [s.info for s in samples if s.info]
+    if infos:
+        rec["info"] = infos[-1]
+    log(f"  {op.key}: median {rec['median_s']:.4f} s  (runs {', '.join(f'{s:.4f}' for s in secs)})")
+    if op.key == "full_copy":
+        rec["copy_shared_extents"] = shared_extents(op.outputs[0])
+    if op.restored:
+        t0 = time.perf_counter()
+        r = subprocess.run(["cmp", "-s", wl.target, op.restored])
+        rec["verified"] = r.returncode == 0
+        log(f"  {op.key}: cmp restored vs target: {'identical' if rec['verified'] else 'DIFFERENT'}"
+            f" ({time.perf_counter() - t0:.1f} s)")
+        if not rec["verified"]:
+            failed.add(op.key)
+    return rec
+
+
+# --------------------------------------------------------------------------
+# report
+
+
+def fmt_s(x: float) -> str:
+    if x >= 100:
+        return f"{x:.0f}"
+    if x >= 10:
+        return f"{x:.1f}"
+    if x >= 1:
+        return f"{x:.2f}"
+    if x >= 0.01:
+        return f"{x:.3f}"
+    return f"{x:.4f}"
+
+
+def fmt_ratio(x: float) -> str:
+    if x >= 10:
+        return f"{x:.0f}×"
+    if x >= 0.1:
+        return f"{x:.2f}×"
+    return f"{x:.3g}×"
+
+
+def table(wrec: dict) -> str:
+    ops = wrec["ops"]
+    full = ops.get("full_copy", {}).get("median_s")
+    floors = {"create": ops.get("floor_create", {}).get("median_s"),
+              "apply": ops.get("floor_apply", {}).get("median_s")}
+    w = wrec["workload"]
+    lines = [
+        f"### workload {w['spec']['name']}: {w['spec']['description']}",
+        "",
+        f"{w['spec']['size'] / workloads.MiB:.0f} MiB, {w['changed_blocks']} blocks overwritten, "
+        f"target {w['extents_target']} extents, base {w['extents_base']} extents"
+        + (f", {ops['floor_create']['info']['ranges']} changed ranges"
+           if "info" in ops.get("floor_create", {}) else ""),
+        "",
+        "| operation | median s | vs full copy | vs kernel floor | peak RSS MB | restore |",
+        "|---|--:|--:|--:|--:|:-:|",
+    ]
+    for key, r in ops.items():
+        if "median_s" not in r:
+            why = r.get("skipped") or r.get("error", "")
+            status = "skipped" if "skipped" in r else "error"
+            lines.append(f"| {r['label']} | {status}: {why} | | | | |")
+            continue
+        m = r["median_s"]
+        vs_full = fmt_ratio(m / full) if full else "–"
+        fl = floors.get(r["kind"])
+        vs_floor = fmt_ratio(m / fl) if fl and not key.startswith("floor_") else (
+            "1×" if key.startswith("floor_") else "–")
+        rss = f"{r['maxrss_kb'] / 1024:.1f}"
+        ver = {True: "identical", False: "DIFFERENT"}.get(r.get("verified"), "")
+        lines.append(f"| {r['label']} | {fmt_s(m)} | {vs_full} | {vs_floor} | {rss} | {ver} |")
+    fc = ops.get("floor_create", {}).get("info")
+    fa = ops.get("floor_apply", {}).get("info")
+    if fc and fa:
+        lines += [
+            "",
+            f"kernel floor breakdown (last run): create = fsync target {fc['fsync_target_s']:.4f}"
+            f" + FIEMAP {fc['fiemap_s']:.4f} ({fc['fiemap_ioctls']} ioctls)"
+            f" + merge {fc['merge_s']:.4f} + FICLONERANGE {fc['clone_s']:.4f}"
+            f" ({fc['clone_ranges']} calls) + range table {fc['table_s']:.4f}"
+            f" + fsync out {fc['fsync_out_s']:.4f} s; apply = FICLONE base"
+            f" {fa['clone_base_s']:.4f} + FICLONERANGE {fa['clone_s']:.4f}"
+            f" ({fa['clone_ranges']} calls) + fsync {fa['fsync_s']:.4f} s",
+        ]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="blockdiff benchmark suite")
+    ap.add_argument("--quick", action="store_true", help="small images (512/256/256 MiB)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per operation (median)")
+    ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    ap.add_argument("--only", default="", help="comma separated workloads to run (a,b,c)")
+    ap.add_argument("--drop-caches", choices=("none", "copy", "all"), default="copy",
+                    help="drop the page cache before each run of: nothing, the full copy "
+                         "(default), every operation")
+    ap.add_argument("--formats", default="v1,v2", help="diff formats for the library rows")
+    ap.add_argument("--cli-format", default="v2", help="diff format for the CLI rows")
+    ap.add_argument("--workdir", default=None,
+                    help="parent directory of the scratch XFS backing file (default /var/tmp)")
+    args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error("--repeat must be >= 1")
+    if os.geteuid() != 0:
+        print("bench/run.py needs root (loop device, mount, drop_caches)", file=sys.stderr)
+        return 2
+
+    only = {x for x in args.only.split(",") if x}
+    formats = [f for f in args.formats.split(",") if f]
+    peer = shlex.split(os.environ["BLOCKDIFF_PEER"]) if os.environ.get("BLOCKDIFF_PEER") else None
+    if peer and shutil.which(peer[0]) is None and not os.path.exists(peer[0]):
+        print(f"BLOCKDIFF_PEER: {peer[0]} not found", file=sys.stderr)
+        return 2
+
+    bd_env, bd_where = find_blockdiff()
+    if bd_env is None:
+        log(f"blockdiff rows skipped: import blockdiff.engine failed ({bd_where})")
+    else:
+        log(f"blockdiff from {bd_where}")
+
+    meta = {
+        "kernel": platform.release(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "quick": args.quick,
+        "repeat": args.repeat,
+        "drop_caches": args.drop_caches,
+        "blockdiff": bd_where if bd_env else None,
+        "blockdiff_unavailable": None if bd_env else bd_where,
+        "peer": peer,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    results: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="blockdiff-bench-bin-") as bindir:
+        global RUSAGE
+        floor = compile_c(bindir, "floor")
+        RUSAGE = compile_c(bindir, "rusage")
+        with workloads.XfsMount(workloads.mount_size(args.quick), args.workdir) as mnt:
+            log(f"scratch XFS on {mnt.dev} at {mnt.path}")
+            for spec in workloads.specs(args.quick):
+                if only and spec.name not in only:
+                    continue
+                log(f"workload {spec.name}: building ({spec.description})")
+                wl = workloads.build(spec, mnt.path)
+                log(f"workload {spec.name}: built in {wl.build_s:.1f} s, target "
+                    f"{wl.extents_target} extents, {wl.changed_blocks} blocks changed")
+                try:
+                    ops = make_ops(wl, floor, bd_env, bd_where, formats, args.cli_format, peer)
+                    failed: set[str] = set()
+                    orecs = {}
+                    for op in ops:
+                        orecs[op.key] = run_op(op, wl, mnt.path, args.repeat, args.drop_caches, failed)
+                    wrec = {"workload": wl.as_dict(), "ops": orecs}
+                    results.append(wrec)
+                finally:
+                    workloads.remove(wl)
+                    mnt.trim()
+                print(table(wrec) + "\n", flush=True)
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "workloads": results}, f, indent=2)
+        log(f"wrote {args.json}")
+    bad = [(w["workload"]["spec"]["name"], k) for w in results for k, r in w["ops"].items()
+           if r.get("verified") is False]
+    if bad:
+        log(f"restores that differ from the target: {bad}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+from blockdiff.cli import main
+
+main()

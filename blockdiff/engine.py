@@ -1,0 +1,356 @@
+"""The diff engine: create a diff of a target against a base, apply it to a base.
+
+Create maps both files (FIEMAP after fsync), computes the changed ranges with
+the extent algebra, and reflinks the changed data into the diff. Apply
+reflinks the base into a temporary file, reflinks the diff's data over it,
+punches the zero ranges, sets the size, fsyncs and renames. Where reflink is
+impossible (another filesystem, no reflink support) both copy instead, and
+where the filesystem cannot tell shared extents apart, create compares
+content. Results are byte-identical either way; only the speed differs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from blockdiff import format as fmt
+from blockdiff import identity, native
+from blockdiff.errors import ChecksumMismatch, UsageError, WrongBase
+from blockdiff.extents import (DATA, ZERO, ExtentMap, RangeSet, changed_ranges,
+                               ranges_from_block_classes, union)
+
+BLOCK = 4096
+FORMATS = ("v1", "v2")
+# Filesystems whose FIEMAP physical addresses identify shared (reflinked) data.
+_SHARING_FILESYSTEMS = {native.XFS_MAGIC: "xfs", native.BTRFS_MAGIC: "btrfs"}
+# Errors that mean "these two files cannot share extents": copy instead.
+_NO_REFLINK = {errno.EXDEV, errno.EOPNOTSUPP, errno.ENOTTY, errno.EINVAL, errno.ENOSYS}
+
+
+@dataclass
+class CreateResult:
+    """What ``create_diff`` did."""
+
+    path: str
+    version: int
+    target_size: int
+    base_size: int
+    ranges: int
+    data_bytes: int
+    zero_bytes: int
+    method: str                # "extents" or "content"
+    reflinked: int             # data ranges reflinked rather than copied
+    target_id: bytes = fmt.NO_ID
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ApplyResult:
+    """What ``apply_diff`` did."""
+
+    path: str
+    version: int
+    target_size: int
+    ranges: int
+    data_bytes: int
+    zero_bytes: int
+    base_reflinked: bool
+    reflinked: int
+    notes: list[str] = field(default_factory=list)
+
+
+def _fs_name(fs_type: int) -> str:
+    return native.FS_NAMES.get(fs_type, f"type {fs_type:#x}")
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except FileNotFoundError:
+        return False
+
+
+@contextlib.contextmanager
+def _open(path: str, flags: int = os.O_RDONLY):
+    fd = os.open(path, flags | os.O_CLOEXEC)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _atomic_output(final_path: str, mode: int = 0o644):
+    """A temporary file beside ``final_path`` that replaces it only on success.
+
+    Yields ``(fd, temp_path)``. On success the file is fsynced, renamed over
+    the final name and the directory fsynced; on failure it is removed, so a
+    half-written result never appears under the final name.
+    """
+    directory = os.path.dirname(os.path.abspath(final_path))
+    fd, temp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(final_path)}.",
+                                suffix=".partial")
+    try:
+        os.fchmod(fd, mode)
+        yield fd, temp
+        native.fsync(fd, temp)
+        os.rename(temp, final_path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    finally:
+        os.close(fd)
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+# ------------------------------------------------------------------ create
+
+
+def diff_ranges(target_fd: int, target_path: str, base_fd: int | None,
+                base_path: str | None) -> tuple[RangeSet, str, list[str]]:
+    """The ranges where target differs from base, and how they were found.
+
+    Returns ``(ranges, method, notes)``; method is "extents" (physical
+    addresses) or "content" (byte comparison, for filesystems that cannot tell
+    shared extents apart, or a base on another filesystem).
+    """
+    native.fsync(target_fd, target_path)
+    t_type, _, t_dev = native.fs_info(target_fd, target_path)
+    target_size = os.fstat(target_fd).st_size
+    notes: list[str] = []
+    reason = None
+    if base_fd is None:
+        try:
+            tmap = ExtentMap.of_file(target_fd, target_path)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.ENOTTY):
+                raise
+            reason = f"{_fs_name(t_type)} has no extent maps"
+        else:
+            tmap.check_supported(target_path)
+            return changed_ranges(tmap, None, BLOCK), "extents", notes
+        base_size = 0
+    else:
+        native.fsync(base_fd, base_path)
+        b_type, _, b_dev = native.fs_info(base_fd, base_path)
+        base_size = os.fstat(base_fd).st_size
+        if t_dev != b_dev:
+            reason = "the target and the base are on different filesystems"
+        elif t_type not in _SHARING_FILESYSTEMS:
+            reason = f"{_fs_name(t_type)} does not share extents between files"
+        else:
+            tmap = ExtentMap.of_file(target_fd, target_path)
+            tmap.check_supported(target_path)
+            bmap = ExtentMap.of_file(base_fd, base_path)
+            return changed_ranges(tmap, bmap, BLOCK), "extents", notes
+    notes.append(f"{reason}: comparing contents instead (correct, but reads both files in full)")
+    classes = native.compare_blocks(target_fd, target_size, -1 if base_fd is None else base_fd,
+                                    base_size, BLOCK, target_path)
+    return ranges_from_block_classes(classes, BLOCK, target_size), "content", notes
+
+
+def create_diff(out: str | os.PathLike, target: str | os.PathLike,
+                base: str | os.PathLike | None = None, *, format: str = "v2",
+                target_id: bytes | None = None) -> CreateResult:
+    """Write a diff of ``target`` against ``base`` (or of target alone) to ``out``.
+
+    ``format`` is "v2" (default: zero ranges, base identity, checksums) or
+    "v1" (CognitionAI's BDIFFv1). Data is reflinked into ``out`` when it is on
+    the target's filesystem and copied otherwise. ``out`` appears complete or
+    not at all.
+    """
+    if format not in FORMATS:
+        raise UsageError(f"unknown diff format {format!r}; use one of {', '.join(FORMATS)}")
+    out, target = os.fspath(out), os.fspath(target)
+    base = None if base is None else os.fspath(base)
+    for other, name in ((target, "TARGET"), (base, "BASE")):
+        if other is not None and _same_file(out, other):
+            raise UsageError(f"the output {out} is the same file as {name}; "
+                             f"write the diff somewhere else")
+    version = 1 if format == "v1" else 2
+    with contextlib.ExitStack() as stack:
+        target_fd = stack.enter_context(_open(target))
+        base_fd = None if base is None else stack.enter_context(_open(base))
+        ranges, method, notes = diff_ranges(target_fd, target, base_fd, base)
+        target_size = os.fstat(target_fd).st_size
+        base_size = target_size if base_fd is None else os.fstat(base_fd).st_size
+        if version == 1:
+            ranges = _v1_ranges(ranges)
+
+        data_pos = fmt.layout_data(ranges, version=version)
+        data_length = fmt.data_region_length(ranges, data_pos, version=version)
+        if version == 1:
+            head = fmt.encode_v1(target_size, base_size, ranges)
+            data_offset = len(head)
+        else:
+            data_offset = fmt.v2_data_offset(len(ranges))
+
+        is_data = ranges.kind == DATA
+        out_fd, out_temp = stack.enter_context(_atomic_output(out))
+        crcs, reflinked = native.transfer_ranges(
+            target_fd, out_fd, ranges.offset[is_data],
+            np.uint64(data_offset) + data_pos[is_data], ranges.length[is_data], out_temp,
+            checksums=version == 2)
+        new_id = fmt.NO_ID
+        if version == 2:
+            crc = np.zeros(len(ranges), np.uint32)
+            crc[is_data] = crcs
+            new_id = target_id or uuid.uuid4().bytes
+            header = fmt.DiffHeader(
+                version=2, target_size=target_size,
+                base_size=0 if base_fd is None else base_size, has_base=base_fd is not None,
+                ranges=ranges, data_pos=data_pos, crc=crc,
+                data_offset=data_offset, data_length=data_length,
+                base_fingerprint=(bytes(16) if base_fd is None
+                                  else identity.fingerprint(base_fd, base_size, base)),
+                fingerprint_samples=0 if base_fd is None else identity.FINGERPRINT_SAMPLES,
+                base_id=(fmt.NO_ID if base_fd is None
+                         else identity.read_snapshot_id(base_fd) or fmt.NO_ID),
+                target_id=new_id)
+            head = fmt.encode_v2(header)
+        os.pwrite(out_fd, head, 0)
+        # Sets the size exactly, leaving unwritten parts (v1 zero ranges) as holes.
+        native.truncate(out_fd, data_offset + data_length, out_temp)
+    if reflinked < int(is_data.sum()) and method == "extents":
+        notes.append(f"copied {int(is_data.sum()) - reflinked} of {int(is_data.sum())} data "
+                     f"ranges instead of reflinking them (the output is on another "
+                     f"filesystem or reflink is unavailable)")
+    return CreateResult(
+        path=out, version=version, target_size=target_size, base_size=base_size,
+        ranges=len(ranges), data_bytes=ranges.bytes_of(DATA), zero_bytes=ranges.bytes_of(ZERO),
+        method=method, reflinked=reflinked, target_id=new_id, notes=notes)
+
+
+def _v1_ranges(ranges: RangeSet) -> RangeSet:
+    """v1 has no zero records: a ZERO range becomes a DATA range whose stored
+    data is a hole. Adjacent ranges then merge, as v1 readers expect nothing
+    else of the table."""
+    start, end = union(ranges.offset, ranges.offset + ranges.length)
+    return RangeSet(start, end - start, np.full(len(start), DATA, np.uint8))
+
+
+# ------------------------------------------------------------------- apply
+
+
+def _check_base(header: fmt.DiffHeader, diff: str, base_fd: int | None,
+                base: str | None) -> None:
+    if base_fd is None:
+        if header.version == 2 and header.has_base:
+            raise UsageError(f"{diff} was made against a base of {header.base_size} bytes; "
+                             f"pass it with --base")
+        return
+    if header.version == 2 and not header.has_base:
+        raise UsageError(f"{diff} was made without a base (it holds the whole image); "
+                         f"apply it without --base")
+    base_size = os.fstat(base_fd).st_size
+    if base_size != header.base_size:
+        raise WrongBase(f"{base} is not the base of {diff}: it has {base_size} bytes, the diff "
+                        f"expects {header.base_size}; pass the base the diff was made from")
+    if header.version == 1:
+        return
+    known = identity.read_snapshot_id(base_fd)
+    if known and header.base_id != fmt.NO_ID and known != header.base_id:
+        raise WrongBase(f"{base} is snapshot {known.hex()}, but {diff} was made against "
+                        f"snapshot {header.base_id.hex()}; pass the right base")
+    actual = identity.fingerprint(base_fd, base_size, base, header.fingerprint_samples)
+    if actual != header.base_fingerprint:
+        raise WrongBase(f"{base} is not the base of {diff}: its content fingerprint differs; "
+                        f"pass the base the diff was made from")
+
+
+def verify_data(diff_fd: int, header: fmt.DiffHeader, diff: str) -> None:
+    """Check every v2 data range against its CRC32C (v1 has no checksums)."""
+    if header.version != 2:
+        return
+    is_data = header.ranges.kind == DATA
+    crcs, _ = native.transfer_ranges(
+        diff_fd, -1, np.uint64(header.data_offset) + header.data_pos[is_data], None,
+        header.ranges.length[is_data], diff, checksums=True)
+    bad = np.flatnonzero(crcs != header.crc[is_data])
+    if len(bad):
+        i = int(np.flatnonzero(is_data)[bad[0]])
+        raise ChecksumMismatch(
+            f"{diff} is corrupt: the data of range {i} (offset {int(header.ranges.offset[i]):#x}, "
+            f"{int(header.ranges.length[i])} bytes) does not match its checksum; "
+            f"{len(bad)} range(s) damaged in all; copy the diff again")
+
+
+def read_diff(path: str | os.PathLike) -> fmt.DiffHeader:
+    """Read and validate a diff's header and range table."""
+    path = os.fspath(path)
+    with _open(path) as fd:
+        return fmt.read_header(fd, path)
+
+
+def apply_diff(diff: str | os.PathLike, target: str | os.PathLike,
+               base: str | os.PathLike | None = None) -> ApplyResult:
+    """Rebuild the target a diff describes, at ``target``, from ``base``.
+
+    Verifies the diff (header, table, v2 data checksums) and the base (size,
+    fingerprint, snapshot id) before writing anything. Never modifies
+    ``base``; ``target`` is replaced atomically or left as it was.
+    """
+    diff, target = os.fspath(diff), os.fspath(target)
+    base = None if base is None else os.fspath(base)
+    for other, name in ((base, "BASE"), (diff, "the diff")):
+        if other is not None and _same_file(target, other):
+            raise UsageError(f"TARGET {target} is the same file as {name}; "
+                             f"choose another TARGET")
+    notes: list[str] = []
+    with contextlib.ExitStack() as stack:
+        diff_fd = stack.enter_context(_open(diff))
+        header = fmt.read_header(diff_fd, diff)
+        base_fd = None if base is None else stack.enter_context(_open(base))
+        _check_base(header, diff, base_fd, base)
+        verify_data(diff_fd, header, diff)
+
+        mode = 0o644 if base_fd is None else os.fstat(base_fd).st_mode & 0o7777
+        out_fd, temp = stack.enter_context(_atomic_output(target, mode))
+        base_reflinked = False
+        if base_fd is not None:
+            try:
+                native.clone_file(out_fd, base_fd, temp)
+                base_reflinked = True
+            except OSError as e:
+                if e.errno not in _NO_REFLINK:
+                    raise
+                notes.append("copied the base instead of reflinking it (the target is on "
+                             "another filesystem or reflink is unavailable)")
+                native.copy_sparse(base_fd, out_fd, header.base_size, temp)
+        if header.target_size > (header.base_size if base_fd is not None else 0):
+            # Growing first makes the tail of the base's last block read as zeros.
+            native.truncate(out_fd, header.target_size, temp)
+
+        ranges = header.ranges
+        is_data = ranges.kind == DATA
+        _, reflinked = native.transfer_ranges(
+            diff_fd, out_fd, np.uint64(header.data_offset) + header.data_pos[is_data],
+            ranges.offset[is_data], ranges.length[is_data], temp)
+        zero = ranges.kind == ZERO
+        native.zero_ranges(out_fd, ranges.offset[zero], ranges.length[zero], temp)
+        native.truncate(out_fd, header.target_size, temp)
+        if header.version == 2 and header.target_id != fmt.NO_ID:
+            identity.tag_snapshot_id(out_fd, header.target_id)
+    return ApplyResult(
+        path=target, version=header.version, target_size=header.target_size,
+        ranges=len(ranges), data_bytes=ranges.bytes_of(DATA), zero_bytes=ranges.bytes_of(ZERO),
+        base_reflinked=base_reflinked, reflinked=reflinked, notes=notes)
+
+
+def map_file(path: str | os.PathLike, *, sync: bool = False) -> ExtentMap:
+    """The extent map of a file (for ``view``)."""
+    path = os.fspath(path)
+    with _open(path) as fd:
+        return ExtentMap.of_file(fd, path, sync=sync)

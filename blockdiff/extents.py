@@ -1,0 +1,259 @@
+"""Extent algebra: extent maps as arrays and the ranges where two files differ.
+
+All of it is vectorised numpy: a map of a million extents is a few sorts and
+searches, never a Python loop over extents.
+
+Terms. An *extent map* lists where a file's bytes live on disk. A *range set*
+is what a diff records: sorted, disjoint ranges of the target, each either
+DATA (copy these bytes from the target) or ZERO (these bytes read as zeros).
+Ranges are block aligned except that the last may end at the target's size.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from blockdiff import native
+from blockdiff.errors import Unsupported
+
+DATA = 0
+ZERO = 1
+
+_U64 = np.uint64
+
+# Flags whose physical address says nothing comparable about the content.
+_INCOMPARABLE = (native.EXTENT_NOT_ALIGNED | native.EXTENT_DATA_INLINE
+                 | native.EXTENT_DATA_TAIL | native.EXTENT_UNKNOWN
+                 | native.EXTENT_ENCODED | native.EXTENT_DATA_ENCRYPTED
+                 | native.EXTENT_DELALLOC)
+
+_REFUSED = {
+    native.EXTENT_UNKNOWN: "its data location is unknown to the filesystem",
+    native.EXTENT_ENCODED: "its data is encoded (compressed) by the filesystem",
+    native.EXTENT_DATA_ENCRYPTED: "its data is encrypted by the filesystem",
+    native.EXTENT_DELALLOC: "it is still being written (delayed allocation after fsync)",
+}
+
+
+@dataclass(frozen=True)
+class ExtentMap:
+    """Where a file's bytes live: parallel arrays sorted by logical offset."""
+
+    logical: np.ndarray   # uint64
+    physical: np.ndarray  # uint64
+    length: np.ndarray    # uint64
+    flags: np.ndarray     # uint32
+    size: int             # the file's size in bytes
+
+    @classmethod
+    def of_file(cls, fd: int, path: str | os.PathLike, *, sync: bool = True) -> "ExtentMap":
+        """Map an open file (flushing it first unless ``sync`` is false)."""
+        size = os.fstat(fd).st_size
+        logical, physical, length, flags = native.fiemap(fd, max(size, 1), path, sync=sync)
+        return cls.from_arrays(logical, physical, length, flags, size)
+
+    @classmethod
+    def from_arrays(cls, logical, physical, length, flags, size: int) -> "ExtentMap":
+        """Build a map from raw arrays, sorting them by logical offset if needed."""
+        logical = np.asarray(logical, _U64)
+        physical = np.asarray(physical, _U64)
+        length = np.asarray(length, _U64)
+        flags = np.asarray(flags, np.uint32)
+        if len(logical) > 1 and np.any(logical[1:] < logical[:-1]):
+            order = np.argsort(logical, kind="stable")
+            logical, physical, length, flags = (a[order] for a in (logical, physical, length, flags))
+        return cls(logical, physical, length, flags, int(size))
+
+    def __len__(self) -> int:
+        return len(self.logical)
+
+    def check_supported(self, path: str | os.PathLike) -> None:
+        """Refuse extents whose bytes cannot be located and copied safely."""
+        for flag, why in _REFUSED.items():
+            hit = np.flatnonzero(self.flags & flag)
+            if len(hit):
+                offset = int(self.logical[hit[0]])
+                raise Unsupported(
+                    f"cannot diff {os.fspath(path)}: the extent at offset {offset:#x} is refused "
+                    f"because {why}; make a plain copy first (cp --reflink=never) on a "
+                    f"filesystem without compression or encryption, and pause writers")
+
+
+@dataclass(frozen=True)
+class RangeSet:
+    """Sorted, disjoint ranges of a target, each DATA or ZERO."""
+
+    offset: np.ndarray  # uint64
+    length: np.ndarray  # uint64
+    kind: np.ndarray    # uint8: DATA or ZERO
+
+    @classmethod
+    def empty(cls) -> "RangeSet":
+        return cls(np.zeros(0, _U64), np.zeros(0, _U64), np.zeros(0, np.uint8))
+
+    def __len__(self) -> int:
+        return len(self.offset)
+
+    @property
+    def data(self) -> np.ndarray:
+        """Boolean mask of the DATA ranges."""
+        return self.kind == DATA
+
+    def bytes_of(self, kind: int) -> int:
+        """Total length of the ranges of one kind."""
+        return int(self.length[self.kind == kind].sum(dtype=_U64))
+
+
+def _data_intervals(emap: ExtentMap, limit: int):
+    """Half-open intervals holding data (not holes or unwritten), clipped to limit.
+
+    Returns ``(start, end, physical, comparable)``.
+    """
+    data = (emap.flags & native.EXTENT_UNWRITTEN) == 0
+    start = emap.logical[data]
+    end = start + emap.length[data]
+    physical = emap.physical[data]
+    comparable = (emap.flags[data] & _INCOMPARABLE) == 0
+    end = np.minimum(end, _U64(limit))
+    keep = start < end
+    return start[keep], end[keep], physical[keep], comparable[keep]
+
+
+def _locate(starts: np.ndarray, ends: np.ndarray, points: np.ndarray):
+    """For each point, the index of the interval containing it, and whether one does."""
+    index = np.searchsorted(starts, points, side="right").astype(np.int64) - 1
+    inside = index >= 0
+    safe = np.where(inside, index, 0)
+    if len(starts):
+        inside &= ends[safe] > points
+    else:
+        inside[:] = False
+    return safe, inside
+
+
+def _round_up(values: np.ndarray, block: np.uint64) -> np.ndarray:
+    """Round unsigned values up to a multiple of block."""
+    return (values + (block - _U64(1))) // block * block
+
+
+def _runs(mask: np.ndarray):
+    """Index pairs ``(first, last_exclusive)`` of the runs of True in a mask."""
+    edges = np.diff(np.concatenate(([0], mask.view(np.int8), [0])))
+    return np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+
+
+def union(starts: np.ndarray, ends: np.ndarray):
+    """Merge overlapping or touching intervals into sorted disjoint ones."""
+    if len(starts) == 0:
+        return starts.astype(_U64), ends.astype(_U64)
+    order = np.argsort(starts, kind="stable")
+    s, e = starts[order], ends[order]
+    reach = np.maximum.accumulate(e)
+    opens = np.ones(len(s), bool)
+    opens[1:] = s[1:] > reach[:-1]
+    first = np.flatnonzero(opens)
+    return s[first], np.maximum.reduceat(e, first)
+
+
+def subtract(starts, ends, cut_starts, cut_ends):
+    """Intervals minus (sorted, disjoint) cut intervals."""
+    if len(cut_starts) == 0 or len(starts) == 0:
+        return starts, ends
+    points = np.unique(np.concatenate((starts, ends, cut_starts, cut_ends)))
+    seg_start, seg_end = points[:-1], points[1:]
+    _, in_keep = _locate(starts, ends, seg_start)
+    _, in_cut = _locate(cut_starts, cut_ends, seg_start)
+    first, last = _runs(in_keep & ~in_cut)
+    return seg_start[first], seg_end[last - 1]
+
+
+def _finish(data_start, data_end, zero_start, zero_end, target_size: int, block: int) -> RangeSet:
+    """Align, coalesce and merge DATA and ZERO intervals into a RangeSet.
+
+    DATA widens to whole blocks (copying the target's bytes is always right);
+    ZERO narrows to whole blocks and the partial blocks it leaves become DATA,
+    so no block is ever part ZERO and part untouched.
+    """
+    b = _U64(block)
+    size = _U64(target_size)
+    zs = _round_up(zero_start, b)
+    ze = zero_end // b * b
+    head = zero_start < zs
+    tail = ze < zero_end
+    remnant_start = np.concatenate((zero_start[head], np.maximum(ze, zero_start)[tail]))
+    remnant_end = np.concatenate((np.minimum(zs, zero_end)[head], zero_end[tail]))
+    ds = np.concatenate((data_start, remnant_start)) // b * b
+    de = np.minimum(_round_up(np.concatenate((data_end, remnant_end)), b), size)
+    ds, de = union(ds, de)
+    whole = zs < ze
+    zs, ze = union(zs[whole], ze[whole])
+    # Widened data never reaches into a whole zero block, but stay exact.
+    zs, ze = subtract(zs, ze, ds, de)
+    offset = np.concatenate((ds, zs))
+    length = np.concatenate((de - ds, ze - zs))
+    kind = np.concatenate((np.full(len(ds), DATA, np.uint8), np.full(len(zs), ZERO, np.uint8)))
+    order = np.argsort(offset, kind="stable")
+    return RangeSet(offset[order], length[order], kind[order])
+
+
+def changed_ranges(target: ExtentMap, base: ExtentMap | None, block: int = 4096) -> RangeSet:
+    """The ranges where ``target`` differs from ``base``, by physical address.
+
+    Two files on one filesystem hold the same bytes at a logical offset when
+    both map it to the same physical address. Changed, therefore: target data
+    at another address than the base's; target data where the base has a
+    hole; a hole or unwritten extent in the target where the base has data
+    (ZERO); and any target data at or past the base's last whole block when
+    the target grew. Without a base, the ranges are the target's data extents
+    (compacting a sparse file). Bytes past the base's size need no ZERO range:
+    setting the target's size on apply reads them as zeros.
+    """
+    tsize = target.size
+    t_start, t_end, t_phys, t_cmp = _data_intervals(target, tsize)
+    empty = np.zeros(0, _U64)
+    if base is None:
+        return _finish(t_start, t_end, empty, empty, tsize, block)
+
+    bsize = base.size
+    b_start, b_end, b_phys, b_cmp = _data_intervals(base, min(bsize, tsize))
+    # Past the base's last whole block, nothing in the target counts as shared
+    # when it grew: the base's partial last block ends at its size.
+    base_limit = bsize // block * block if tsize > bsize else tsize
+    points = np.unique(np.concatenate((
+        t_start, t_end, b_start, b_end,
+        np.array([0, min(base_limit, tsize), tsize], _U64))))
+    points = points[points <= _U64(tsize)]
+    seg_start, seg_end = points[:-1], points[1:]
+
+    ti, t_in = _locate(t_start, t_end, seg_start)
+    bi, b_in = _locate(b_start, b_end, seg_start)
+    same = t_in & b_in & (seg_start < _U64(base_limit))
+    if len(t_start) and len(b_start):
+        t_at = t_phys[ti] + (seg_start - t_start[ti])
+        b_at = b_phys[bi] + (seg_start - b_start[bi])
+        same &= t_cmp[ti] & b_cmp[bi] & (t_at == b_at)
+    else:
+        same[:] = False
+    changed_data = t_in & ~same
+    zeroed = ~t_in & b_in
+
+    first, last = _runs(changed_data)
+    data_start, data_end = seg_start[first], seg_end[last - 1]
+    first, last = _runs(zeroed)
+    zero_start, zero_end = seg_start[first], seg_end[last - 1]
+    return _finish(data_start, data_end, zero_start, zero_end, tsize, block)
+
+
+def ranges_from_block_classes(classes: np.ndarray, block: int, target_size: int) -> RangeSet:
+    """Ranges from a per-block content comparison (0 same, 1 data, 2 zeros)."""
+    b = _U64(block)
+    first, last = _runs(classes == 1)
+    data_start, data_end = first.astype(_U64) * b, last.astype(_U64) * b
+    first, last = _runs(classes == 2)
+    zero_start, zero_end = first.astype(_U64) * b, last.astype(_U64) * b
+    size = _U64(target_size)
+    return _finish(data_start, np.minimum(data_end, size), zero_start,
+                   np.minimum(zero_end, size), target_size, block)

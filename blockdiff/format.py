@@ -1,0 +1,257 @@
+"""The ``.bdiff`` file formats: CognitionAI's ``BDIFFv1`` and our ``BDIFFv2``.
+
+Both are documented in docs/format.md. This module encodes and decodes
+headers and range tables and validates everything it reads; it does no data
+transfer. Readers raise ``InvalidDiff`` (or ``ChecksumMismatch``) with a
+message naming the file and the problem.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from blockdiff import native
+from blockdiff.errors import ChecksumMismatch, InvalidDiff
+from blockdiff.extents import DATA, ZERO, RangeSet
+
+V1_MAGIC = b"BDIFFv1\0"
+V2_MAGIC = b"BDIFFv2\0"
+V1_ALIGN = 4096
+V2_VERSION = 2
+V2_HEADER_SIZE = 192
+V2_FLAG_HAS_BASE = 1
+NO_DATA = 0xFFFFFFFFFFFFFFFF
+NO_ID = bytes(16)
+
+_V1_FIXED = struct.Struct("<8sQQQ")
+_V2_FIXED = struct.Struct("<8sHHIIIQQQQQQ16sII16s16s56sII")
+assert _V2_FIXED.size == V2_HEADER_SIZE
+
+V1_RANGE = np.dtype([("offset", "<u8"), ("length", "<u8")])
+V2_RANGE = np.dtype([("offset", "<u8"), ("length", "<u8"), ("data_pos", "<u8"),
+                     ("kind", "<u4"), ("crc", "<u4")])
+
+
+@dataclass(frozen=True)
+class DiffHeader:
+    """Everything a diff says about itself, whatever its version.
+
+    ``ranges`` gives each range's kind; ``data_pos`` where its data starts,
+    relative to ``data_offset`` (``NO_DATA`` for ZERO ranges); ``crc`` the
+    CRC32C of its data (v2 only).
+    """
+
+    version: int
+    target_size: int
+    base_size: int
+    has_base: bool
+    ranges: RangeSet
+    data_pos: np.ndarray
+    crc: np.ndarray | None
+    data_offset: int
+    data_length: int
+    block_size: int = 4096
+    base_fingerprint: bytes = bytes(16)
+    fingerprint_samples: int = 0
+    base_id: bytes = NO_ID
+    target_id: bytes = NO_ID
+
+
+def _round_up(value: int, align: int) -> int:
+    return (value + align - 1) // align * align
+
+
+def layout_data(ranges: RangeSet, *, version: int, block: int = 4096) -> np.ndarray:
+    """Where each range's data goes in the data region.
+
+    v1 packs the data of every range back to back (ZERO ranges included: their
+    data is left as a hole, which reads as zeros). v2 stores DATA ranges only,
+    each starting on a block boundary so it can be reflinked in and out.
+    """
+    if version == 1:
+        pos = np.zeros(len(ranges), np.uint64)
+        np.cumsum(ranges.length[:-1], out=pos[1:])
+        return pos
+    is_data = ranges.kind == DATA
+    padded = np.where(is_data, (ranges.length + np.uint64(block - 1)) // np.uint64(block)
+                      * np.uint64(block), np.uint64(0))
+    pos = np.zeros(len(ranges), np.uint64)
+    np.cumsum(padded[:-1], out=pos[1:])
+    return np.where(is_data, pos, np.uint64(NO_DATA))
+
+
+def data_region_length(ranges: RangeSet, data_pos: np.ndarray, *, version: int,
+                       block: int = 4096) -> int:
+    """Bytes in the data region (v2 pads it to whole blocks)."""
+    if len(ranges) == 0:
+        return 0
+    if version == 1:
+        return int(ranges.length.sum(dtype=np.uint64))
+    is_data = ranges.kind == DATA
+    if not is_data.any():
+        return 0
+    last = np.flatnonzero(is_data)[-1]
+    return _round_up(int(data_pos[last]) + int(ranges.length[last]), block)
+
+
+def encode_v1(target_size: int, base_size: int, ranges: RangeSet) -> bytes:
+    """The v1 header and range table, padded to the 4 KiB data boundary."""
+    table = np.empty(len(ranges), V1_RANGE)
+    table["offset"] = ranges.offset
+    table["length"] = ranges.length
+    head = _V1_FIXED.pack(V1_MAGIC, target_size, base_size, len(ranges)) + table.tobytes()
+    return head + bytes(_round_up(len(head), V1_ALIGN) - len(head))
+
+
+def encode_v2(header: DiffHeader) -> bytes:
+    """The v2 header and range table, padded to the block-aligned data offset."""
+    ranges = header.ranges
+    table = np.zeros(len(ranges), V2_RANGE)
+    table["offset"] = ranges.offset
+    table["length"] = ranges.length
+    table["data_pos"] = header.data_pos
+    table["kind"] = ranges.kind
+    if header.crc is not None:
+        table["crc"] = header.crc
+    table_bytes = table.tobytes()
+    fields = [V2_MAGIC, V2_VERSION, 0, V2_HEADER_SIZE, header.block_size,
+              V2_FLAG_HAS_BASE if header.has_base else 0,
+              header.target_size, header.base_size, len(ranges), V2_HEADER_SIZE,
+              header.data_offset, header.data_length,
+              header.base_fingerprint, header.fingerprint_samples, 0,
+              header.base_id, header.target_id, bytes(56),
+              native.crc32c(table_bytes), 0]
+    fixed = _V2_FIXED.pack(*fields)
+    fields[-1] = native.crc32c(fixed[:-4])
+    fixed = _V2_FIXED.pack(*fields)
+    head = fixed + table_bytes
+    return head + bytes(header.data_offset - len(head))
+
+
+def v2_data_offset(range_count: int, block: int = 4096) -> int:
+    """Where a v2 data region starts for a table of ``range_count`` ranges."""
+    return _round_up(V2_HEADER_SIZE + range_count * V2_RANGE.itemsize, block)
+
+
+# ---------------------------------------------------------------- reading
+
+
+def _read_exact(fd: int, offset: int, length: int, what: str, path: str) -> bytes:
+    data = os.pread(fd, length, offset)
+    if len(data) != length:
+        raise InvalidDiff(f"{path} is truncated: its {what} ends at byte {offset + length} "
+                          f"but the file has only {offset + len(data)} bytes; "
+                          f"copy the diff again")
+    return data
+
+
+def _check_ranges(path: str, offset: np.ndarray, length: np.ndarray, target_size: int) -> None:
+    end = offset + length
+    if np.any(end < offset):
+        raise InvalidDiff(f"{path} is corrupt: a range overflows 64 bits")
+    if len(offset) > 1:
+        bad = np.flatnonzero(offset[1:] < end[:-1])
+        if len(bad):
+            i = int(bad[0]) + 1
+            raise InvalidDiff(f"{path} is corrupt: range {i} at {int(offset[i]):#x} is out of "
+                              f"order or overlaps the range before it")
+    beyond = np.flatnonzero(end > np.uint64(target_size))
+    if len(beyond):
+        i = int(beyond[0])
+        raise InvalidDiff(f"{path} is corrupt: range {i} ends at {int(end[i]):#x}, past the "
+                          f"target size {target_size:#x}")
+
+
+def read_header(fd: int, path: str | os.PathLike) -> DiffHeader:
+    """Read and validate a diff's header and range table (v1 or v2).
+
+    Checks magic, version, sizes, checksums of the header and table, order and
+    bounds of the ranges, and that the data region is all there. It does not
+    read the data itself.
+    """
+    path = os.fspath(path)
+    file_size = os.fstat(fd).st_size
+    magic = os.pread(fd, 8, 0)
+    if magic == V1_MAGIC:
+        header = _read_v1(fd, path)
+    elif magic == V2_MAGIC:
+        header = _read_v2(fd, path)
+    elif len(magic) < 8:
+        raise InvalidDiff(f"{path} is not a blockdiff file: it is only {len(magic)} bytes long")
+    elif magic[:5] == b"BDIFF":
+        raise InvalidDiff(f"{path} is a blockdiff file of an unknown version "
+                          f"{magic.rstrip(bytes(1)).decode('ascii', 'replace')!r}; "
+                          f"upgrade blockdiff to read it")
+    else:
+        raise InvalidDiff(f"{path} is not a blockdiff file (wrong magic bytes {magic!r})")
+    end = header.data_offset + header.data_length
+    if end > file_size:
+        raise InvalidDiff(f"{path} is truncated: its data region ends at byte {end} but the "
+                          f"file has only {file_size} bytes; copy the diff again")
+    return header
+
+
+def _read_v1(fd: int, path: str) -> DiffHeader:
+    magic, target_size, base_size, count = _V1_FIXED.unpack(
+        _read_exact(fd, 0, _V1_FIXED.size, "header", path))
+    if count > (os.fstat(fd).st_size // V1_RANGE.itemsize):
+        raise InvalidDiff(f"{path} is truncated or corrupt: it claims {count} ranges, more "
+                          f"than the file could hold")
+    table = np.frombuffer(_read_exact(fd, _V1_FIXED.size, count * V1_RANGE.itemsize,
+                                      "range table", path), V1_RANGE)
+    offset = table["offset"].astype(np.uint64)
+    length = table["length"].astype(np.uint64)
+    _check_ranges(path, offset, length, target_size)
+    ranges = RangeSet(offset, length, np.full(count, DATA, np.uint8))
+    data_pos = layout_data(ranges, version=1)
+    return DiffHeader(
+        version=1, target_size=target_size, base_size=base_size, has_base=True,
+        ranges=ranges, data_pos=data_pos, crc=None,
+        data_offset=_round_up(_V1_FIXED.size + count * V1_RANGE.itemsize, V1_ALIGN),
+        data_length=data_region_length(ranges, data_pos, version=1))
+
+
+def _read_v2(fd: int, path: str) -> DiffHeader:
+    fixed = _read_exact(fd, 0, V2_HEADER_SIZE, "header", path)
+    (magic, major, minor, header_size, block_size, flags, target_size, base_size, count,
+     table_offset, data_offset, data_length, fingerprint, samples, _reserved, base_id,
+     target_id, _pad, table_crc, header_crc) = _V2_FIXED.unpack(fixed)
+    if native.crc32c(fixed[:-4]) != header_crc:
+        raise ChecksumMismatch(f"{path} is corrupt: its header checksum does not match")
+    if major != V2_VERSION:
+        raise InvalidDiff(f"{path} is a v2 diff of format version {major}.{minor}; "
+                          f"upgrade blockdiff to read it")
+    if (block_size < 512 or block_size & (block_size - 1) or header_size < V2_HEADER_SIZE
+            or table_offset < header_size or data_offset % block_size
+            or data_offset < table_offset + count * V2_RANGE.itemsize):
+        raise InvalidDiff(f"{path} is corrupt: its header describes an impossible layout")
+    table_bytes = _read_exact(fd, table_offset, count * V2_RANGE.itemsize, "range table", path)
+    if native.crc32c(table_bytes) != table_crc:
+        raise ChecksumMismatch(f"{path} is corrupt: its range table checksum does not match")
+    table = np.frombuffer(table_bytes, V2_RANGE)
+    offset = table["offset"].astype(np.uint64)
+    length = table["length"].astype(np.uint64)
+    kind = table["kind"]
+    if np.any(kind > ZERO):
+        raise InvalidDiff(f"{path} is corrupt: a range has an unknown kind")
+    _check_ranges(path, offset, length, target_size)
+    data_pos = table["data_pos"].astype(np.uint64)
+    is_data = kind == DATA
+    pos, lens = data_pos[is_data], length[is_data]
+    if (np.any(pos % np.uint64(block_size)) or np.any(pos + lens > np.uint64(data_length))
+            or np.any(pos + lens < pos) or np.any(pos[1:] < pos[:-1] + lens[:-1])):
+        raise InvalidDiff(f"{path} is corrupt: range data positions overlap or fall outside "
+                          f"the data region")
+    return DiffHeader(
+        version=2, target_size=target_size, base_size=base_size,
+        has_base=bool(flags & V2_FLAG_HAS_BASE),
+        ranges=RangeSet(offset, length, kind.astype(np.uint8)),
+        data_pos=data_pos, crc=table["crc"].astype(np.uint32),
+        data_offset=data_offset, data_length=data_length, block_size=block_size,
+        base_fingerprint=fingerprint, fingerprint_samples=samples,
+        base_id=base_id, target_id=target_id)
+

@@ -1,0 +1,190 @@
+"""The one module that talks to the compiled core (``blockdiff._native``).
+
+Everything above this module sees plain Python values and numpy arrays, never
+cffi objects. Every failure is an ``OSError`` carrying errno and the path it
+concerns.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from blockdiff._native import ffi, lib
+
+# Extent flags, from <linux/fiemap.h> through the compiler.
+EXTENT_LAST = lib.FIEMAP_EXTENT_LAST
+EXTENT_UNKNOWN = lib.FIEMAP_EXTENT_UNKNOWN
+EXTENT_DELALLOC = lib.FIEMAP_EXTENT_DELALLOC
+EXTENT_ENCODED = lib.FIEMAP_EXTENT_ENCODED
+EXTENT_DATA_ENCRYPTED = lib.FIEMAP_EXTENT_DATA_ENCRYPTED
+EXTENT_NOT_ALIGNED = lib.FIEMAP_EXTENT_NOT_ALIGNED
+EXTENT_DATA_INLINE = lib.FIEMAP_EXTENT_DATA_INLINE
+EXTENT_DATA_TAIL = lib.FIEMAP_EXTENT_DATA_TAIL
+EXTENT_UNWRITTEN = lib.FIEMAP_EXTENT_UNWRITTEN
+EXTENT_MERGED = lib.FIEMAP_EXTENT_MERGED
+EXTENT_SHARED = lib.FIEMAP_EXTENT_SHARED
+
+EXTENT_FLAG_NAMES = {
+    EXTENT_LAST: "last",
+    EXTENT_UNKNOWN: "unknown",
+    EXTENT_DELALLOC: "delalloc",
+    EXTENT_ENCODED: "encoded",
+    EXTENT_DATA_ENCRYPTED: "encrypted",
+    EXTENT_NOT_ALIGNED: "not_aligned",
+    EXTENT_DATA_INLINE: "inline",
+    EXTENT_DATA_TAIL: "tail",
+    EXTENT_UNWRITTEN: "unwritten",
+    EXTENT_MERGED: "merged",
+    EXTENT_SHARED: "shared",
+}
+
+# statfs f_type values, from <linux/magic.h>.
+XFS_MAGIC = lib.XFS_SUPER_MAGIC
+BTRFS_MAGIC = lib.BTRFS_SUPER_MAGIC
+EXT4_MAGIC = lib.EXT4_SUPER_MAGIC
+TMPFS_MAGIC = lib.TMPFS_MAGIC
+FS_NAMES = {XFS_MAGIC: "xfs", BTRFS_MAGIC: "btrfs", EXT4_MAGIC: "ext4", TMPFS_MAGIC: "tmpfs"}
+
+_U64 = np.uint64
+_FIRST_FIEMAP_CAPACITY = 4096
+
+
+def _check(rc: int, path: str | os.PathLike) -> None:
+    if rc < 0:
+        errno = -rc
+        raise OSError(errno, os.strerror(errno), os.fspath(path))
+
+
+def _u64(array: np.ndarray):
+    return ffi.from_buffer("uint64_t[]", array)
+
+
+def fiemap(fd: int, end: int, path: str | os.PathLike, *, sync: bool = True):
+    """The extent map of ``[0, end)`` of an open file as four arrays.
+
+    Returns ``(logical, physical, length, flags)``: uint64, uint64, uint64,
+    uint32. ``sync`` asks the kernel to flush dirty data first, so extents in
+    the copy-on-write fork show their final location.
+    Errors: EOPNOTSUPP/ENOTTY (no FIEMAP on this filesystem), EBADF.
+    """
+    capacity = _FIRST_FIEMAP_CAPACITY
+    parts: list[tuple[np.ndarray, ...]] = []
+    start = 0
+    count = ffi.new("size_t *")
+    next_start = ffi.new("uint64_t *")
+    first = True
+    while True:
+        logical = np.empty(capacity, _U64)
+        physical = np.empty(capacity, _U64)
+        length = np.empty(capacity, _U64)
+        flags = np.empty(capacity, np.uint32)
+        rc = lib.bd_fiemap(fd, start, end, int(sync and first),
+                           _u64(logical), _u64(physical), _u64(length),
+                           ffi.from_buffer("uint32_t[]", flags),
+                           capacity, count, next_start)
+        _check(rc, path)
+        n = count[0]
+        parts.append((logical[:n], physical[:n], length[:n], flags[:n]))
+        if next_start[0] == 0xFFFFFFFFFFFFFFFF:
+            break
+        start = next_start[0]
+        first = False
+        # Grow geometrically so a million-extent map takes a handful of calls.
+        capacity = min(capacity * 8, 1 << 20)
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(np.concatenate([p[i] for p in parts]) for i in range(4))
+
+
+def clone_file(dst_fd: int, src_fd: int, path: str | os.PathLike) -> None:
+    """Reflink a whole file (FICLONE).
+
+    Errors: EXDEV (other filesystem), EOPNOTSUPP (no reflink), EINVAL.
+    """
+    _check(lib.bd_clone_file(dst_fd, src_fd), path)
+
+
+def transfer_ranges(src_fd: int, dst_fd: int, src_off: np.ndarray,
+                    dst_off: np.ndarray | None, length: np.ndarray,
+                    path: str | os.PathLike, *, reflink: bool = True,
+                    checksums: bool = False):
+    """Move many ranges from one file to another in one native call.
+
+    Reflinks where the kernel allows (an unaligned range is copied instead,
+    and a filesystem boundary switches to copying for the rest). With
+    ``dst_fd < 0`` nothing is written and only checksums are computed.
+    Returns ``(crc32c array or None, number of ranges reflinked)``.
+    Errors: ENODATA (source shorter than a range), ENOSPC, EIO.
+    """
+    n = len(length)
+    src_off = np.ascontiguousarray(src_off, _U64)
+    length = np.ascontiguousarray(length, _U64)
+    dst = ffi.NULL if dst_off is None else _u64(np.ascontiguousarray(dst_off, _U64))
+    crcs = np.zeros(n, np.uint32) if checksums else None
+    done = ffi.new("size_t *")
+    cloned = ffi.new("size_t *")
+    rc = lib.bd_transfer_ranges(src_fd, dst_fd, _u64(src_off), dst, _u64(length), n,
+                                0 if reflink else 1,
+                                ffi.NULL if crcs is None else ffi.from_buffer("uint32_t[]", crcs),
+                                done, cloned)
+    _check(rc, path)
+    return crcs, int(cloned[0])
+
+
+def zero_ranges(fd: int, offset: np.ndarray, length: np.ndarray, path: str | os.PathLike) -> None:
+    """Make ranges read as zeros, by punching holes where possible."""
+    offset = np.ascontiguousarray(offset, _U64)
+    length = np.ascontiguousarray(length, _U64)
+    _check(lib.bd_zero_ranges(fd, _u64(offset), _u64(length), len(offset)), path)
+
+
+def copy_sparse(src_fd: int, dst_fd: int, size: int, path: str | os.PathLike) -> None:
+    """Copy a file's data segments only, keeping its holes, and set the size."""
+    _check(lib.bd_copy_sparse(src_fd, dst_fd, size), path)
+
+
+def compare_blocks(target_fd: int, target_size: int, base_fd: int, base_size: int,
+                   block: int, path: str | os.PathLike) -> np.ndarray:
+    """Classify each block of the target by content: 0 same, 1 data, 2 zeros."""
+    nblocks = -(-target_size // block)
+    classes = np.empty(nblocks, np.uint8)
+    rc = lib.bd_compare_blocks(target_fd, target_size, base_fd, base_size, block,
+                               ffi.from_buffer("uint8_t[]", classes), nblocks)
+    _check(rc, path)
+    return classes
+
+
+def read_blocks(fd: int, offsets: np.ndarray, block: int, path: str | os.PathLike) -> bytes:
+    """Read ``block`` bytes at each offset, zero-filled past EOF."""
+    offsets = np.ascontiguousarray(offsets, _U64)
+    out = bytearray(len(offsets) * block)
+    _check(lib.bd_read_blocks(fd, _u64(offsets), len(offsets), block,
+                              ffi.from_buffer("uint8_t[]", out)), path)
+    return bytes(out)
+
+
+def fsync(fd: int, path: str | os.PathLike) -> None:
+    """fsync, with the path in the error."""
+    _check(lib.bd_fsync(fd), path)
+
+
+def truncate(fd: int, size: int, path: str | os.PathLike) -> None:
+    """ftruncate, with the path in the error."""
+    _check(lib.bd_truncate(fd, size), path)
+
+
+def fs_info(fd: int, path: str | os.PathLike) -> tuple[int, int, int]:
+    """``(statfs f_type, block size, st_dev)`` of an open file."""
+    fs_type = ffi.new("int64_t *")
+    block = ffi.new("uint64_t *")
+    dev = ffi.new("uint64_t *")
+    _check(lib.bd_fs_info(fd, fs_type, block, dev), path)
+    return int(fs_type[0]), int(block[0]), int(dev[0])
+
+
+def crc32c(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
+    """CRC32C (Castagnoli) of a buffer, continuing from ``crc``."""
+    buf = ffi.from_buffer("uint8_t[]", data)
+    return int(lib.bd_crc32c(crc, buf, len(buf)))

@@ -1,0 +1,158 @@
+"""Shared pytest fixtures: real XFS/btrfs/ext4/tmpfs mounts and the bench marker.
+
+Fixtures `xfs`, `btrfs`, `ext4`, `tmpfs`, `reflink_fs` (xfs, btrfs) and
+`any_fs` (all four) each give a test its own fresh, empty directory on a
+mounted filesystem of that kind.  Each kind is mounted once per session on
+first use.  `fresh_filesystem(kind, size=None)` gives a private mount for
+tests that need an exact size (e.g. running out of space).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+
+# Let tests import the helper modules next to this file under any
+# --import-mode (importlib mode does not add test directories to sys.path).
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
+import filesystems  # noqa: E402
+from filesystems import KINDS, REFLINK_KINDS  # noqa: E402
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-bench", action="store_true", default=False,
+                     help="run benchmarks (tests marked 'bench'), skipped by default")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "bench: benchmark; skipped unless --run-bench is given")
+
+
+def pytest_sessionstart(session):
+    # SIGTERM (CI timeouts, `timeout`) would otherwise kill the interpreter
+    # without running fixture teardown and leave mounts and loop devices
+    # behind; as KeyboardInterrupt, pytest tears down fixtures and exits.
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    # Mounts from runs that were SIGKILLed can only be cleaned up later.
+    if os.geteuid() == 0:
+        filesystems.cleanup_stale_mounts()
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"received signal {signum}")
+
+
+def pytest_report_header(config):
+    lines = ["filesystems:"]
+    for kind in KINDS:
+        reason = filesystems.filesystem_unavailable_reason(kind)
+        lines.append(f"  {kind}: " + ("available" if reason is None else f"unavailable - {reason}"))
+    return lines
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--run-bench"):
+        return
+    skip_bench = pytest.mark.skip(reason="benchmark; pass --run-bench to run")
+    for item in items:
+        if "bench" in item.keywords:
+            item.add_marker(skip_bench)
+
+
+def _require(kind: str) -> None:
+    reason = filesystems.filesystem_unavailable_reason(kind)
+    if reason is not None:
+        pytest.skip(f"{kind} unavailable: {reason}")
+
+
+@pytest.fixture(scope="session")
+def _session_mounts():
+    """Mount each kind on first request; unmount everything at session end."""
+    with contextlib.ExitStack() as stack:
+        mounts: dict[str, Path] = {}
+
+        def get(kind: str) -> Path:
+            _require(kind)
+            if kind not in mounts:
+                mounts[kind] = stack.enter_context(filesystems.mounted_filesystem(kind))
+            return mounts[kind]
+
+        yield get
+
+
+def _test_dir(request, get_mount, kind: str):
+    root = get_mount(kind)
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", request.node.name)[:60]
+    path = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))
+    yield path
+    # Files are removed after each test so one long session does not fill the
+    # shared filesystem.
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def xfs(request, _session_mounts):
+    """Fresh empty directory on a reflink-enabled XFS mount."""
+    yield from _test_dir(request, _session_mounts, "xfs")
+
+
+@pytest.fixture
+def btrfs(request, _session_mounts):
+    """Fresh empty directory on a btrfs mount."""
+    yield from _test_dir(request, _session_mounts, "btrfs")
+
+
+@pytest.fixture
+def ext4(request, _session_mounts):
+    """Fresh empty directory on an ext4 mount (no reflink support)."""
+    yield from _test_dir(request, _session_mounts, "ext4")
+
+
+@pytest.fixture
+def tmpfs(request, _session_mounts):
+    """Fresh empty directory on a tmpfs mount (no reflink, no FIEMAP)."""
+    yield from _test_dir(request, _session_mounts, "tmpfs")
+
+
+@pytest.fixture(params=REFLINK_KINDS)
+def reflink_fs(request, _session_mounts):
+    """Fresh directory on each reflink-capable filesystem (xfs, btrfs).
+
+    The kind is `request.node.callspec.params["reflink_fs"]` or
+    `filesystems.filesystem_type(path)`.
+    """
+    yield from _test_dir(request, _session_mounts, request.param)
+
+
+@pytest.fixture(params=KINDS)
+def any_fs(request, _session_mounts):
+    """Fresh directory on each of xfs, btrfs, ext4 and tmpfs."""
+    yield from _test_dir(request, _session_mounts, request.param)
+
+
+@pytest.fixture
+def fresh_filesystem():
+    """Factory: `fresh_filesystem(kind, size=None)` mounts a private filesystem.
+
+    Returns the mount point; it is torn down when the test finishes.
+    """
+    with contextlib.ExitStack() as stack:
+        def make(kind: str, size: int | None = None) -> Path:
+            _require(kind)
+            return stack.enter_context(filesystems.mounted_filesystem(kind, size=size))
+
+        yield make
