@@ -10,6 +10,7 @@ time.perf_counter and prints one JSON line: seconds, peak RSS of this process
 Running each call in its own process keeps the peak RSS figure per call.
 """
 
+import inspect
 import json
 import resource
 import sys
@@ -30,8 +31,10 @@ def main(argv: list[str]) -> int:
     res = None
     if op == "create":
         out, target, base, fmt = argv[1:5]
+        params = inspect.signature(create_diff).parameters
+        kw = {"fmt" if "fmt" in params else "format": fmt}
         t0 = time.perf_counter()
-        res = create_diff(out, target, base=base, fmt=fmt)
+        res = create_diff(out, target, base=base, **kw)
         seconds = time.perf_counter() - t0
     elif op == "apply":
         diff, target, base = argv[1:4]

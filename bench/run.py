@@ -331,6 +331,8 @@ def table(wrec: dict) -> str:
     for key, r in ops.items():
         if "median_s" not in r:
             why = r.get("skipped") or r.get("error", "")
+            why = why.replace("|", "/")
+            why = why if len(why) <= 160 else why[:157] + "..."
             status = "skipped" if "skipped" in r else "error"
             lines.append(f"| {r['label']} | {status}: {why} | | | | |")
             continue
@@ -408,6 +410,12 @@ def main(argv=None) -> int:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     results: list[dict] = []
+    print(f"## blockdiff benchmark ({'quick' if args.quick else 'full'} sizes)\n\n"
+          f"Linux {meta['kernel']} {meta['machine']}, {meta['cpus']} CPUs, Python "
+          f"{meta['python']}; scratch XFS (reflink=1) on a loop device; median of "
+          f"{args.repeat} runs; page cache dropped before each run of: "
+          f"{ {'none': 'nothing', 'copy': 'the full copy', 'all': 'every operation'}[args.drop_caches] }."
+          f"\n", flush=True)
     with tempfile.TemporaryDirectory(prefix="blockdiff-bench-bin-") as bindir:
         global RUSAGE
         floor = compile_c(bindir, "floor")

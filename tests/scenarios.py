@@ -281,9 +281,9 @@ def _shrink_unaligned(base, target, seed):
     rng = random.Random(seed)
     size = os.path.getsize(target)
     new_size = rng.randint(0, max(0, size - 1))
-    if new_size % BLOCK == 0 and new_size > 0:
-        new_size -= 1  # keep the new EOF inside a block
-    shrink(target, new_size)
+    if new_size % BLOCK == 0:
+        new_size = max(1, new_size - 1)  # keep the new EOF inside a block
+    shrink(target, min(new_size, size))
 
 
 def _empty_target(base, target, seed):

@@ -94,6 +94,16 @@ def test_each_test_gets_a_fresh_directory(xfs):
     assert len(list(xfs.parent.iterdir())) == 1
 
 
+def test_fresh_filesystem_has_requested_size(fresh_filesystem):
+    mnt = fresh_filesystem("xfs", size=320 * MiB)
+    assert os.path.ismount(mnt) and list(mnt.iterdir()) == []
+    st = os.statvfs(mnt)
+    assert 250 * MiB < st.f_blocks * st.f_frsize <= 320 * MiB
+    (mnt / "big").write_bytes(b"")
+    with pytest.raises(OSError, match="No space left"):
+        scenarios.sequential_write(mnt / "big", 0, 400 * MiB, seed=0)
+
+
 def test_report_header_lists_every_kind(pytestconfig):
     results = pytestconfig.hook.pytest_report_header(config=pytestconfig,
                                                      start_path=Path.cwd())
