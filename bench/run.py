@@ -119,7 +119,7 @@ def find_blockdiff() -> tuple[dict | None, str]:
     """Environment in which `import blockdiff.engine` works in a child
     interpreter: as installed, else from this checkout.  Returns (env, where)
     or (None, reason)."""
-    probe = "import blockdiff, blockdiff.engine; print(blockdiff.__file__)"
+    probe = "import blockdiff.engine; print(blockdiff.engine.__file__)"
     plain = os.environ.copy()
     local = os.environ.copy()
     local["PYTHONPATH"] = os.pathsep.join(
@@ -240,51 +240,69 @@ def make_ops(wl: workloads.Workload, floor: str, bd_env: dict | None, bd_reason:
     return ops
 
 
-def run_op(op: Op, wl: workloads.Workload, mountpoint: str, repeat: int, drop_policy: str,
-           failed: set[str]) -> dict:
-    rec: dict = {"label": op.label, "kind": op.kind}
-    if op.skip:
-        rec["skipped"] = op.skip
-        return rec
-    if op.needs and op.needs in failed:
-        rec["skipped"] = f"{op.needs} did not succeed"
-        failed.add(op.key)
-        return rec
-    samples: list[Sample] = []
-    try:
-        for i in range(repeat):
+def run_ops(ops: list[Op], wl: workloads.Workload, mountpoint: str, repeat: int, warmup: int,
+            drop_policy: str) -> dict[str, dict]:
+    """Run every op warmup + repeat times, in rounds (each round runs each op
+    once, in order, so an apply reads the diff its create wrote in the same
+    round and slow drift spreads over all ops).  Then verify the restores."""
+    recs: dict[str, dict] = {op.key: {"label": op.label, "kind": op.kind} for op in ops}
+    samples: dict[str, list[Sample]] = {op.key: [] for op in ops}
+    failed: set[str] = set()
+    for op in ops:
+        if op.skip:
+            recs[op.key]["skipped"] = op.skip
+            failed.add(op.key)
+
+    for rnd in range(warmup + repeat):
+        timed = rnd >= warmup
+        log(f"  round {rnd + 1}/{warmup + repeat}" + ("" if timed else " (warm-up, not timed)"))
+        for op in ops:
+            if op.key in failed:
+                continue
+            if op.needs in failed:
+                recs[op.key]["skipped"] = f"{op.needs} did not succeed"
+                failed.add(op.key)
+                continue
             rm(*op.outputs)
             settle(mountpoint, drop_policy == "all" or (drop_policy == "copy" and op.drop))
-            samples.append(op.run())
-    except (ProcError, OSError, ValueError, KeyError) as e:
-        rec["error"] = str(e)
-        failed.add(op.key)
-        log(f"  {op.key}: ERROR {e}")
-        return rec
-    secs = [s.seconds for s in samples]
-    rec.update(
-        median_s=statistics.median(secs),
-        min_s=min(secs),
-        max_s=max(secs),
-        runs_s=secs,
-        wall_s=[s.wall_s for s in samples],
-        maxrss_kb=max(s.maxrss_kb for s in samples),
-    )
-    infos = [s.info for s in samples if s.info]
-    if infos:
-        rec["info"] = infos[-1]
-    log(f"  {op.key}: median {rec['median_s']:.4f} s  (runs {', '.join(f'{s:.4f}' for s in secs)})")
-    if op.key == "full_copy":
-        rec["copy_shared_extents"] = shared_extents(op.outputs[0])
-    if op.restored:
-        t0 = time.perf_counter()
-        r = subprocess.run(["cmp", "-s", wl.target, op.restored])
-        rec["verified"] = r.returncode == 0
-        log(f"  {op.key}: cmp restored vs target: {'identical' if rec['verified'] else 'DIFFERENT'}"
-            f" ({time.perf_counter() - t0:.1f} s)")
-        if not rec["verified"]:
-            failed.add(op.key)
-    return rec
+            try:
+                s = op.run()
+            except (ProcError, OSError, ValueError, KeyError) as e:
+                recs[op.key]["error"] = str(e)
+                failed.add(op.key)
+                log(f"  {op.key}: ERROR {e}")
+                continue
+            if timed:
+                samples[op.key].append(s)
+
+    for op in ops:
+        rec, ss = recs[op.key], samples[op.key]
+        if op.key in failed or not ss:
+            continue
+        secs = [s.seconds for s in ss]
+        rec.update(
+            median_s=statistics.median(secs),
+            min_s=min(secs),
+            max_s=max(secs),
+            runs_s=secs,
+            wall_s=[s.wall_s for s in ss],
+            maxrss_kb=max(s.maxrss_kb for s in ss),
+        )
+        infos = [s.info for s in ss if s.info]
+        if infos:
+            rec["info"] = infos[-1]
+        log(f"  {op.key}: median {rec['median_s']:.4f} s"
+            f"  (runs {', '.join(f'{x:.4f}' for x in secs)})")
+        if op.key == "full_copy":
+            rec["copy_shared_extents"] = shared_extents(op.outputs[0])
+        if op.restored:
+            t0 = time.perf_counter()
+            r = subprocess.run(["cmp", "-s", wl.target, op.restored])
+            rec["verified"] = r.returncode == 0
+            log(f"  {op.key}: cmp restored vs target: "
+                f"{'identical' if rec['verified'] else 'DIFFERENT'}"
+                f" ({time.perf_counter() - t0:.1f} s)")
+    return recs
 
 
 # --------------------------------------------------------------------------
@@ -367,6 +385,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="blockdiff benchmark suite")
     ap.add_argument("--quick", action="store_true", help="small images (512/256/256 MiB)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per operation (median)")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="untimed rounds before the timed ones (default 1)")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     ap.add_argument("--only", default="", help="comma separated workloads to run (a,b,c)")
     ap.add_argument("--drop-caches", choices=("none", "copy", "all"), default="copy",
@@ -377,8 +397,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default=None,
                     help="parent directory of the scratch XFS backing file (default /var/tmp)")
     args = ap.parse_args(argv)
-    if args.repeat < 1:
-        ap.error("--repeat must be >= 1")
+    if args.repeat < 1 or args.warmup < 0:
+        ap.error("--repeat must be >= 1 and --warmup >= 0")
     if os.geteuid() != 0:
         print("bench/run.py needs root (loop device, mount, drop_caches)", file=sys.stderr)
         return 2
@@ -403,6 +423,7 @@ def main(argv=None) -> int:
         "python": platform.python_version(),
         "quick": args.quick,
         "repeat": args.repeat,
+        "warmup": args.warmup,
         "drop_caches": args.drop_caches,
         "blockdiff": bd_where if bd_env else None,
         "blockdiff_unavailable": None if bd_env else bd_where,
@@ -413,7 +434,7 @@ def main(argv=None) -> int:
     print(f"## blockdiff benchmark ({'quick' if args.quick else 'full'} sizes)\n\n"
           f"Linux {meta['kernel']} {meta['machine']}, {meta['cpus']} CPUs, Python "
           f"{meta['python']}; scratch XFS (reflink=1) on a loop device; median of "
-          f"{args.repeat} runs; page cache dropped before each run of: "
+          f"{args.repeat} runs after {args.warmup} untimed; page cache dropped before each run of: "
           f"{ {'none': 'nothing', 'copy': 'the full copy', 'all': 'every operation'}[args.drop_caches] }."
           f"\n", flush=True)
     with tempfile.TemporaryDirectory(prefix="blockdiff-bench-bin-") as bindir:
@@ -431,10 +452,8 @@ def main(argv=None) -> int:
                     f"{wl.extents_target} extents, {wl.changed_blocks} blocks changed")
                 try:
                     ops = make_ops(wl, floor, bd_env, bd_where, formats, args.cli_format, peer)
-                    failed: set[str] = set()
-                    orecs = {}
-                    for op in ops:
-                        orecs[op.key] = run_op(op, wl, mnt.path, args.repeat, args.drop_caches, failed)
+                    orecs = run_ops(ops, wl, mnt.path, args.repeat, args.warmup,
+                                    args.drop_caches)
                     wrec = {"workload": wl.as_dict(), "ops": orecs}
                     results.append(wrec)
                 finally:

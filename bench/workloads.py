@@ -27,6 +27,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import struct
@@ -94,7 +95,8 @@ class XfsMount:
         for tool in ("mkfs.xfs", "losetup", "mount", "umount"):
             if shutil.which(tool) is None:
                 raise FileNotFoundError(f"{tool} not found (apt-get install -y xfsprogs)")
-        self.tmp = tempfile.mkdtemp(prefix="blockdiff-bench-", dir=self.workdir)
+        cleanup_stale(self.workdir)
+        self.tmp = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=self.workdir)
         backing = os.path.join(self.tmp, "xfs.img")
         with open(backing, "wb") as f:
             f.truncate(self.size)
@@ -144,6 +146,47 @@ class XfsMount:
 
 def _raise_exit(signum, frame):
     raise SystemExit(128 + signum)
+
+
+PREFIX = "blockdiff-bench-"
+
+
+def cleanup_stale(workdir: str = "/var/tmp") -> list[str]:
+    """Tear down scratch mounts left by benchmark processes that no longer
+    exist (killed with SIGKILL, so their clean-up never ran)."""
+    pat = re.compile(re.escape(PREFIX) + r"(\d+)-")
+    cleaned = []
+    try:
+        names = sorted(os.listdir(workdir))
+    except FileNotFoundError:
+        return cleaned
+    for name in names:
+        m = pat.match(name)
+        if not m:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue  # still running
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        d = os.path.join(workdir, name)
+        mnt = os.path.join(d, "mnt")
+        if os.path.ismount(mnt):
+            subprocess.run(["fsfreeze", "-u", mnt], capture_output=True)
+            subprocess.run(["umount", mnt], capture_output=True)
+        backing = os.path.join(d, "xfs.img")
+        if os.path.exists(backing):
+            r = subprocess.run(["losetup", "-j", backing], capture_output=True, text=True)
+            for line in r.stdout.splitlines():
+                dev = line.split(":", 1)[0]
+                if dev:
+                    subprocess.run(["losetup", "-d", dev], capture_output=True)
+        if not os.path.ismount(mnt):
+            shutil.rmtree(d, ignore_errors=True)
+            cleaned.append(d)
+    return cleaned
 
 
 # --------------------------------------------------------------------------

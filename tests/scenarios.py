@@ -1,7 +1,7 @@
 """Deterministic disk-image scenarios built with real syscalls.
 
 A scenario starts from a base image, makes the target a reflink clone of it
-and then changes the target the way a VM would: scattered block writes,
+(a copy where the filesystem has no reflink) and then changes the target the way a VM would: scattered block writes,
 sequential writes, discards (punched holes), preallocation, zeroing, growing
 and shrinking.  All randomness comes from the seed, so a failing case can be
 rebuilt exactly.  Every modifier fsyncs, so extent maps are stable afterwards.
@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import fcntl
 import hashlib
 import os
 import random
+import shutil
 from typing import Callable
 
 from filesystems import FICLONE
@@ -144,9 +146,18 @@ def zero_range(path: str | os.PathLike, offset: int, length: int) -> None:
     """Zero a range with FALLOC_FL_ZERO_RANGE (may extend the file).
 
     How the range is represented is up to the filesystem (XFS and ext4 use
-    unwritten extents).  tmpfs does not support this and raises EOPNOTSUPP.
+    unwritten extents).  Where the filesystem cannot (tmpfs), zeros are
+    written instead, as a guest zeroing its disk would.
     """
-    _modify(path, lambda fd: _fallocate(fd, FALLOC_FL_ZERO_RANGE, offset, length))
+    def action(fd: int) -> None:
+        try:
+            _fallocate(fd, FALLOC_FL_ZERO_RANGE, offset, length)
+        except OSError as e:
+            if e.errno != errno.EOPNOTSUPP:
+                raise
+            _pwrite_all(fd, bytes(length), offset)
+
+    _modify(path, action)
 
 
 def grow(path: str | os.PathLike, new_size: int, write_tail: bool = True,
@@ -219,17 +230,28 @@ def _scale(size: int) -> int:
     return max(1, min(256, size // BLOCK // 16))
 
 
+def start_target(base: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Make `target` a reflink clone of `base`, or a plain copy where the
+    filesystem has no reflink (ext4, tmpfs): what a sandbox manager does."""
+    try:
+        clone_file(base, target)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EXDEV, errno.EINVAL, errno.ENOTTY):
+            raise
+        shutil.copyfile(base, target)
+
+
 # Scenario builders.  Each clones base -> target and modifies the target;
 # only "empty_base" also changes the base.
 
 def _random_4k_writes(base, target, seed):
-    clone_file(base, target)
+    start_target(base, target)
     size = os.path.getsize(target)
     random_block_writes(target, count=max(1, size // BLOCK // 20), seed=seed)
 
 
 def _sequential_writes(base, target, seed):
-    clone_file(base, target)
+    start_target(base, target)
     rng = random.Random(seed)
     size = os.path.getsize(target)
     for _ in range(3):
@@ -239,7 +261,7 @@ def _sequential_writes(base, target, seed):
 
 
 def _punched_holes(base, target, seed):
-    clone_file(base, target)
+    start_target(base, target)
     rng = random.Random(seed)
     size = os.path.getsize(target)
     for _ in range(4):
@@ -250,7 +272,7 @@ def _punched_holes(base, target, seed):
 
 
 def _unwritten_extents(base, target, seed):
-    clone_file(base, target)
+    start_target(base, target)
     rng = random.Random(seed)
     size = os.path.getsize(target)
     for _ in range(3):
@@ -260,7 +282,7 @@ def _unwritten_extents(base, target, seed):
 
 
 def _zero_ranges(base, target, seed):
-    clone_file(base, target)
+    start_target(base, target)
     rng = random.Random(seed)
     size = os.path.getsize(target)
     for _ in range(3):
@@ -270,14 +292,14 @@ def _zero_ranges(base, target, seed):
 
 
 def _grow(base, target, seed):
-    clone_file(base, target)
+    start_target(base, target)
     rng = random.Random(seed)
     size = os.path.getsize(target)
     grow(target, size + rng.randint(1, 64) * BLOCK + rng.randint(1, BLOCK - 1), seed=seed)
 
 
 def _shrink_unaligned(base, target, seed):
-    clone_file(base, target)
+    start_target(base, target)
     rng = random.Random(seed)
     size = os.path.getsize(target)
     new_size = rng.randint(0, max(0, size - 1))
@@ -287,19 +309,19 @@ def _shrink_unaligned(base, target, seed):
 
 
 def _empty_target(base, target, seed):
-    clone_file(base, target)
+    start_target(base, target)
     shrink(target, 0)
 
 
 def _empty_base(base, target, seed):
     # The target keeps the former base content (now unshared); the base
     # becomes a zero-length file.
-    clone_file(base, target)
+    start_target(base, target)
     shrink(base, 0)
 
 
 def _mixed(base, target, seed):
-    clone_file(base, target)
+    start_target(base, target)
     rng = random.Random(seed)
     size = os.path.getsize(target)
     random_block_writes(target, count=max(1, size // BLOCK // 50), seed=rng.getrandbits(32))

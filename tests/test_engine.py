@@ -1,0 +1,341 @@
+"""The engine on real filesystems: every scenario, both formats, compared byte for byte."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import scenarios
+from blockdiff import engine
+from blockdiff import format as fmt
+from blockdiff.extents import DATA, ZERO
+from scenarios import SCENARIOS, assert_same_bytes, make_base_image
+
+BLOCK = 4096
+BASE_SIZE = 6 * 1024 * 1024 + 1234   # not a block multiple
+FORMATS = ["v1", "v2"]
+
+
+def _digest(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _clear(directory):
+    for p in directory.iterdir():
+        p.unlink()
+
+
+def _round_trip(directory, scenario, fmt_name, seed=1, restore_dir=None):
+    """Build a scenario, diff it, apply it; return (create, apply) results."""
+    base, target = directory / "base.img", directory / "target.img"
+    make_base_image(base, BASE_SIZE, seed)
+    SCENARIOS[scenario](base, target, seed)
+    base_digest = _digest(base)
+    diff = directory / "step.bdiff"
+    created = engine.create_diff(diff, target, base, format=fmt_name)
+    restored = (restore_dir or directory) / "restored.img"
+    applied = engine.apply_diff(diff, restored, base)
+    assert_same_bytes(restored, target)
+    assert _digest(base) == base_digest, "apply modified the base"
+    assert not [p for p in os.listdir(restore_dir or directory) if p.endswith(".partial")]
+    return created, applied
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_scenarios_on_reflink_filesystems(reflink_fs, scenario, fmt_name):
+    created, applied = _round_trip(reflink_fs, scenario, fmt_name)
+    assert created.method == "extents"
+    assert applied.base_reflinked
+    # Same filesystem: every data range travels by reflink, both ways.
+    data_ranges = created.ranges if fmt_name == "v1" else None
+    if data_ranges is not None:
+        assert created.reflinked == data_ranges
+
+
+def test_random_writes_diff_holds_only_changed_blocks(xfs):
+    base, target = xfs / "base.img", xfs / "target.img"
+    make_base_image(base, BASE_SIZE, 3, sparse_fraction=0.0, zero_fraction=0.0)
+    scenarios.clone_file(base, target)
+    scenarios.random_block_writes(target, count=40, seed=5)
+    created = engine.create_diff(xfs / "d.bdiff", target, base)
+    # At most the 40 rewritten blocks (fewer if two writes hit one block).
+    assert 0 < created.data_bytes <= 40 * BLOCK
+    assert created.zero_bytes == 0
+
+
+def test_punched_holes_restore_as_zeros_not_old_data(xfs):
+    """The upstream tool restores the base's old data over a discarded range."""
+    base, target = xfs / "base.img", xfs / "target.img"
+    make_base_image(base, BASE_SIZE, 4, sparse_fraction=0.0, zero_fraction=0.0)
+    scenarios.clone_file(base, target)
+    scenarios.punch_hole(target, 64 * BLOCK, 32 * BLOCK)
+    scenarios.preallocate_unwritten(target, 200 * BLOCK, 16 * BLOCK)
+    for fmt_name in FORMATS:
+        diff = xfs / f"{fmt_name}.bdiff"
+        created = engine.create_diff(diff, target, base, format=fmt_name)
+        restored = xfs / f"{fmt_name}.img"
+        engine.apply_diff(diff, restored, base)
+        assert_same_bytes(restored, target)
+        if fmt_name == "v2":
+            assert created.zero_bytes == 48 * BLOCK and created.data_bytes == 0
+            assert os.path.getsize(diff) == fmt.v2_data_offset(created.ranges)
+        else:
+            # v1 stores the zero ranges as holes in the diff: no data blocks used.
+            assert os.stat(diff).st_blocks * 512 <= 2 * BLOCK
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_no_base_compacts_a_sparse_file(reflink_fs, fmt_name):
+    image = reflink_fs / "sparse.img"
+    make_base_image(image, BASE_SIZE, 6, sparse_fraction=0.7)
+    diff = reflink_fs / "full.bdiff"
+    created = engine.create_diff(diff, image, format=fmt_name)
+    restored = reflink_fs / "restored.img"
+    engine.apply_diff(diff, restored)
+    assert_same_bytes(restored, image)
+    allocated = os.stat(image).st_blocks * 512
+    assert created.data_bytes <= allocated
+    assert os.path.getsize(diff) < BASE_SIZE
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+@pytest.mark.parametrize("scenario", ["mixed", "punched_holes", "grow", "shrink_unaligned"])
+def test_apply_onto_another_filesystem(xfs, ext4, tmpfs, scenario, fmt_name):
+    """Target on ext4/tmpfs: the base and the ranges are copied, not reflinked."""
+    for other in (ext4, tmpfs):
+        created, applied = _round_trip(xfs, scenario, fmt_name, restore_dir=other)
+        assert not applied.base_reflinked
+        assert applied.reflinked == 0
+        assert applied.notes
+        _clear(other)
+        _clear(xfs)
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_diff_moved_to_another_host_filesystem(xfs, btrfs, fmt_name):
+    """A diff made on XFS, carried with its base to btrfs and applied there."""
+    base, target = xfs / "base.img", xfs / "target.img"
+    make_base_image(base, BASE_SIZE, 8)
+    SCENARIOS["mixed"](base, target, 8)
+    engine.create_diff(xfs / "d.bdiff", target, base, format=fmt_name)
+    for name in ("base.img", "d.bdiff"):
+        shutil.copyfile(xfs / name, btrfs / name)
+    engine.apply_diff(btrfs / "d.bdiff", btrfs / "restored.img", btrfs / "base.img")
+    assert_same_bytes(btrfs / "restored.img", target)
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+@pytest.mark.parametrize("scenario", ["random_4k_writes", "punched_holes", "zero_ranges",
+                                      "grow", "shrink_unaligned", "mixed", "empty_base"])
+def test_content_fallback_without_reflink(ext4, tmpfs, scenario, fmt_name):
+    for directory in (ext4, tmpfs):
+        created, _ = _round_trip(directory, scenario, fmt_name)
+        assert created.method == "content"
+        assert any("comparing contents" in n for n in created.notes)
+        _clear(directory)
+
+
+def test_content_fallback_finds_only_changed_blocks(ext4):
+    base, target = ext4 / "base.img", ext4 / "target.img"
+    make_base_image(base, BASE_SIZE, 9, sparse_fraction=0.0, zero_fraction=0.0)
+    shutil.copyfile(base, target)
+    scenarios.random_block_writes(target, count=10, seed=2)
+    scenarios.punch_hole(target, 100 * BLOCK, 4 * BLOCK)
+    created = engine.create_diff(ext4 / "d.bdiff", target, base)
+    assert created.data_bytes <= 10 * BLOCK
+    assert created.zero_bytes == 4 * BLOCK
+
+
+def test_base_on_another_filesystem_falls_back_to_content(xfs, btrfs):
+    base = btrfs / "base.img"
+    make_base_image(base, BASE_SIZE, 10)
+    target = xfs / "target.img"
+    shutil.copyfile(base, target)
+    scenarios.random_block_writes(target, count=5, seed=3)
+    created = engine.create_diff(xfs / "d.bdiff", target, base)
+    assert created.method == "content"
+    engine.apply_diff(xfs / "d.bdiff", xfs / "restored.img", base)
+    assert_same_bytes(xfs / "restored.img", target)
+
+
+def test_chain_of_agent_steps_restores_every_step(xfs):
+    """Ten steps, each diffed against the previous step's restored image."""
+    disk = xfs / "disk.img"
+    make_base_image(disk, BASE_SIZE, 11)
+    previous = xfs / "step0.img"
+    scenarios.clone_file(disk, previous)
+    ops = ["random_4k_writes", "punched_holes", "grow", "unwritten_extents", "zero_ranges",
+           "sequential_writes", "shrink_unaligned", "mixed", "random_4k_writes", "mixed"]
+    snapshots = [previous]
+    for step, op in enumerate(ops, 1):
+        nxt = xfs / f"live{step}.img"
+        SCENARIOS[op](snapshots[-1], nxt, step)
+        diff = xfs / f"step{step}.bdiff"
+        engine.create_diff(diff, nxt, snapshots[-1])
+        restored = xfs / f"step{step}.img"
+        engine.apply_diff(diff, restored, snapshots[-1])
+        assert_same_bytes(restored, nxt)
+        snapshots.append(restored)
+    # Each restored step still holds exactly what it held when it was made.
+    for step in range(1, len(ops) + 1):
+        assert_same_bytes(xfs / f"step{step}.img", xfs / f"live{step}.img")
+
+
+def test_snapshot_ids_chain_through_apply(xfs):
+    base, target = xfs / "base.img", xfs / "target.img"
+    make_base_image(base, BASE_SIZE, 12)
+    SCENARIOS["mixed"](base, target, 12)
+    first = engine.create_diff(xfs / "1.bdiff", target, base)
+    engine.apply_diff(xfs / "1.bdiff", xfs / "s1.img", base)
+    # The restored file carries the id of the snapshot it is.
+    later = xfs / "later.img"
+    SCENARIOS["random_4k_writes"](xfs / "s1.img", later, 13)
+    engine.create_diff(xfs / "2.bdiff", later, xfs / "s1.img")
+    assert engine.read_diff(xfs / "2.bdiff").base_id == first.target_id
+    engine.apply_diff(xfs / "2.bdiff", xfs / "s2.img", xfs / "s1.img")
+    assert_same_bytes(xfs / "s2.img", later)
+
+
+# ------------------------------------------------- interoperability with v1
+
+
+def _upstream_style_apply(diff, target, base):
+    """CognitionAI's apply, step for step: copy the base, set the target size
+    if it differs from the base size, then write each range's bytes, read
+    back to back after the 4 KiB-aligned header."""
+    with open(diff, "rb") as f:
+        magic, target_size, base_size, count = struct.unpack("<8sQQQ", f.read(32))
+        assert magic == b"BDIFFv1\0"
+        ranges = [struct.unpack("<QQ", f.read(16)) for _ in range(count)]
+        f.seek(-(32 + 16 * count) % 4096, os.SEEK_CUR)
+        shutil.copyfile(base, target)
+        with open(target, "r+b") as out:
+            if target_size != base_size:
+                out.truncate(target_size)
+            for offset, length in ranges:
+                out.seek(offset)
+                data = f.read(length)
+                assert len(data) == length, "unexpected EOF in diff data"
+                out.write(data)
+
+
+def _upstream_style_create(diff, target, base):
+    """CognitionAI's create: every target extent that is not at the same
+    physical address as the base's, written with the bincode layout."""
+    from blockdiff.extents import ExtentMap
+
+    def extents(path):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            m = ExtentMap.of_file(fd, path)
+        finally:
+            os.close(fd)
+        return list(zip(m.logical.tolist(), m.physical.tolist(), m.length.tolist()))
+
+    base_map = extents(base)
+    ranges = []
+    for logical, physical, length in extents(target):
+        for block in range(logical, logical + length, BLOCK):
+            phys = physical + block - logical
+            shared = any(bl <= block < bl + bn and bp + block - bl == phys
+                         for bl, bp, bn in base_map)
+            if not shared:
+                if ranges and ranges[-1][0] + ranges[-1][1] == block:
+                    ranges[-1][1] += BLOCK
+                else:
+                    ranges.append([block, BLOCK])
+    target_size, base_size = os.path.getsize(target), os.path.getsize(base)
+    head = b"BDIFFv1\0" + struct.pack("<QQQ", target_size, base_size, len(ranges))
+    head += b"".join(struct.pack("<QQ", o, n) for o, n in ranges)
+    head += bytes(-len(head) % 4096)
+    with open(target, "rb") as t, open(diff, "wb") as out:
+        out.write(head)
+        for offset, length in ranges:
+            t.seek(offset)
+            out.write(t.read(length))
+
+
+@pytest.mark.parametrize("scenario", ["random_4k_writes", "sequential_writes", "punched_holes",
+                                      "grow", "shrink_unaligned", "mixed"])
+def test_our_v1_applies_with_upstream_semantics(xfs, scenario):
+    base, target = xfs / "base.img", xfs / "target.img"
+    make_base_image(base, BASE_SIZE, 14)
+    SCENARIOS[scenario](base, target, 14)
+    engine.create_diff(xfs / "d.bdiff", target, base, format="v1")
+    _upstream_style_apply(xfs / "d.bdiff", xfs / "theirs.img", base)
+    assert_same_bytes(xfs / "theirs.img", target)
+
+
+@pytest.mark.parametrize("scenario", ["random_4k_writes", "sequential_writes", "grow"])
+def test_upstream_v1_applies_with_ours(xfs, scenario):
+    base, target = xfs / "base.img", xfs / "target.img"
+    # Block-multiple sizes and no holes: the cases the upstream tool handles.
+    make_base_image(base, 2 * 1024 * 1024, 15, sparse_fraction=0.0)
+    SCENARIOS[scenario](base, target, 15)
+    if os.path.getsize(target) % BLOCK:
+        scenarios.grow(target, -(-os.path.getsize(target) // BLOCK) * BLOCK)
+    _upstream_style_create(xfs / "theirs.bdiff", target, base)
+    engine.apply_diff(xfs / "theirs.bdiff", xfs / "ours.img", base)
+    assert_same_bytes(xfs / "ours.img", target)
+
+
+# ------------------------------------------------ random operation sequences
+
+_OPS = st.lists(st.tuples(
+    st.sampled_from(["write", "punch", "unwritten", "zero", "truncate"]),
+    st.integers(0, 2 * 1024 * 1024), st.integers(1, 300 * 1024)), min_size=1, max_size=8)
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_OPS, base_size=st.integers(0, 2 * 1024 * 1024), seed=st.integers(0, 2**16))
+def test_random_operation_sequences(xfs, ops, base_size, seed):
+    directory = xfs / f"case{seed}-{len(ops)}-{base_size}"
+    directory.mkdir()
+    try:
+        base, target = directory / "base.img", directory / "target.img"
+        make_base_image(base, base_size, seed)
+        scenarios.clone_file(base, target)
+        for op, offset, length in ops:
+            if op == "write":
+                scenarios.sequential_write(target, offset, length, seed)
+            elif op == "punch":
+                scenarios.punch_hole(target, offset, length)
+            elif op == "unwritten":
+                scenarios.preallocate_unwritten(target, offset, length)
+            elif op == "zero":
+                scenarios.zero_range(target, offset, length)
+            else:
+                os.truncate(target, offset)
+        for fmt_name in FORMATS:
+            diff = directory / f"{fmt_name}.bdiff"
+            engine.create_diff(diff, target, base, format=fmt_name)
+            engine.apply_diff(diff, directory / f"{fmt_name}.img", base)
+            assert_same_bytes(directory / f"{fmt_name}.img", target)
+    finally:
+        shutil.rmtree(directory)
+
+
+def test_v2_ranges_are_aligned_in_the_file(xfs):
+    base, target = xfs / "base.img", xfs / "target.img"
+    make_base_image(base, BASE_SIZE, 16)
+    SCENARIOS["mixed"](base, target, 16)
+    engine.create_diff(xfs / "d.bdiff", target, base)
+    header = engine.read_diff(xfs / "d.bdiff")
+    data = header.ranges.kind == DATA
+    assert header.data_offset % BLOCK == 0
+    assert np.all(header.data_pos[data] % np.uint64(BLOCK) == 0)
+    assert np.all(header.ranges.offset % np.uint64(BLOCK) == 0)
+    assert set(np.unique(header.ranges.kind)) <= {DATA, ZERO}
