@@ -155,3 +155,28 @@ def view(path, offset, as_json):
         click.echo(json.dumps(report, indent=2))
     else:
         click.echo(view_module.render(report))
+
+
+@main.command()
+@click.option("--dir", "workdir", type=click.Path(file_okay=False, exists=True),
+              help="Run in this directory on a reflink filesystem instead of a scratch XFS "
+                   "(which needs root and loop devices).")
+@click.option("--size", default=512, show_default=True, help="Disk image size in MiB.")
+@click.option("--steps", default=6, show_default=True, help="Agent steps to snapshot.")
+@reports_errors
+def demo(workdir, size, steps):
+    """Snapshot a disk image through agent steps, then restore, fork and move it.
+
+    Every snapshot and restore is verified byte for byte.
+
+    \b
+    Example:
+      sudo blockdiff demo --size 1024 --steps 8
+    """
+    from blockdiff import demo as demo_module
+
+    def show(event):
+        timing = f"{event.seconds * 1000:8.1f} ms" if event.seconds else " " * 11
+        click.echo(f"{timing}  {event.what}" + (f"\n{'':13}{event.detail}" if event.detail else ""))
+
+    demo_module.run(workdir, size=size * 1024 * 1024, steps=steps, report=show)

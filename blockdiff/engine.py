@@ -329,9 +329,10 @@ def apply_diff(diff: str | os.PathLike, target: str | os.PathLike,
                 notes.append("copied the base instead of reflinking it (the target is on "
                              "another filesystem or reflink is unavailable)")
                 native.copy_sparse(base_fd, out_fd, header.base_size, temp)
-        if header.target_size > (header.base_size if base_fd is not None else 0):
-            # Growing first makes the tail of the base's last block read as zeros.
-            native.truncate(out_fd, header.target_size, temp)
+        # Sizing first makes the tail of the base's last block read as zeros when
+        # growing, and puts the end of file where a last unaligned range ends,
+        # the one place the kernel accepts an unaligned reflink.
+        native.truncate(out_fd, header.target_size, temp)
 
         ranges = header.ranges
         is_data = ranges.kind == DATA

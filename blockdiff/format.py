@@ -84,9 +84,13 @@ def layout_data(ranges: RangeSet, *, version: int, block: int = 4096) -> np.ndar
     return np.where(is_data, pos, np.uint64(NO_DATA))
 
 
-def data_region_length(ranges: RangeSet, data_pos: np.ndarray, *, version: int,
-                       block: int = 4096) -> int:
-    """Bytes in the data region (v2 pads it to whole blocks)."""
+def data_region_length(ranges: RangeSet, data_pos: np.ndarray, *, version: int) -> int:
+    """Bytes in the data region: up to the end of the last range's data.
+
+    Not padded at the end: a last range that stops at an unaligned target size
+    then stops at the diff's end of file too, which is where the kernel allows
+    an unaligned reflink, on both sides.
+    """
     if len(ranges) == 0:
         return 0
     if version == 1:
@@ -95,7 +99,7 @@ def data_region_length(ranges: RangeSet, data_pos: np.ndarray, *, version: int,
     if not is_data.any():
         return 0
     last = np.flatnonzero(is_data)[-1]
-    return _round_up(int(data_pos[last]) + int(ranges.length[last]), block)
+    return int(data_pos[last]) + int(ranges.length[last])
 
 
 def encode_v1(target_size: int, base_size: int, ranges: RangeSet) -> bytes:
