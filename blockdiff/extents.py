@@ -112,14 +112,36 @@ def _data_intervals(emap: ExtentMap, limit: int):
 
     Returns ``(start, end, physical, comparable)``.
     """
-    data = (emap.flags & native.EXTENT_UNWRITTEN) == 0
-    start = emap.logical[data]
-    end = start + emap.length[data]
-    physical = emap.physical[data]
-    comparable = (emap.flags[data] & _INCOMPARABLE) == 0
-    end = np.minimum(end, _U64(limit))
-    keep = start < end
-    return start[keep], end[keep], physical[keep], comparable[keep]
+    start, length, physical, flags = emap.logical, emap.length, emap.physical, emap.flags
+    keep = (flags & native.EXTENT_UNWRITTEN) == 0
+    keep &= start < _U64(limit)
+    if not keep.all():   # the common case (all data, all inside) copies nothing
+        start, length, physical, flags = start[keep], length[keep], physical[keep], flags[keep]
+    end = np.minimum(start + length, _U64(limit))
+    comparable = (flags & _INCOMPARABLE) == 0
+    return start, end, physical, comparable
+
+
+def _boundaries(*interval_sets) -> np.ndarray:
+    """Sorted distinct boundaries of several sets of sorted disjoint intervals.
+
+    Each set's starts and ends interleave into one sorted run, so a stable
+    sort (timsort) merges the runs in linear time; no hashing, no n log n.
+    """
+    runs = []
+    for start, end in interval_sets:
+        run = np.empty(2 * len(start), _U64)
+        run[0::2] = start
+        run[1::2] = end
+        runs.append(run)
+    points = np.concatenate(runs)
+    points.sort(kind="stable")
+    if len(points) < 2:
+        return points
+    distinct = np.empty(len(points), bool)
+    distinct[0] = True
+    np.not_equal(points[1:], points[:-1], out=distinct[1:])
+    return points[distinct]
 
 
 def _locate(starts: np.ndarray, ends: np.ndarray, points: np.ndarray):
@@ -222,9 +244,8 @@ def changed_ranges(target: ExtentMap, base: ExtentMap | None, block: int = 4096)
     # Past the base's last whole block, nothing in the target counts as shared
     # when it grew: the base's partial last block ends at its size.
     base_limit = bsize // block * block if tsize > bsize else tsize
-    points = np.unique(np.concatenate((
-        t_start, t_end, b_start, b_end,
-        np.array([0, min(base_limit, tsize), tsize], _U64))))
+    cut = np.array([0, min(base_limit, tsize)], _U64)
+    points = _boundaries((t_start, t_end), (b_start, b_end), (cut, np.array([tsize, tsize], _U64)))
     points = points[points <= _U64(tsize)]
     seg_start, seg_end = points[:-1], points[1:]
 
