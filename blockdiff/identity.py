@@ -24,7 +24,7 @@ import numpy as np
 
 from blockdiff import native
 
-FINGERPRINT_SAMPLES = 1024
+FINGERPRINT_SAMPLES = 256
 FINGERPRINT_BLOCK = 4096
 SNAPSHOT_XATTR = "user.blockdiff.snapshot"
 _TAG = struct.Struct("<16sQq")
