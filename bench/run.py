@@ -1,7 +1,9 @@
 """Benchmark blockdiff against a full copy, a reflink clone and the kernel floor.
 
-    python bench/run.py [--quick] [--repeat N] [--json out.json]
+    python bench/run.py [--quick] [--repeat N] [--warmup N] [--json out.json]
                         [--only a,b,c] [--drop-caches none|copy|all]
+
+BLOCKDIFF_PEER=PROGRAM adds rows for another blockdiff-compatible program.
 
 Needs root (loop device + XFS mount), xfsprogs, cc.  See bench/README.md for
 what each row of the tables means.
@@ -21,13 +23,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-import workloads  # noqa: E402
+import workloads
 
 FIEMAP_EXTENT_SHARED = 0x2000
 
@@ -61,7 +63,8 @@ def run_proc(argv: list[str], env: dict | None = None) -> tuple[float, int, str]
     wait4()'s ru_maxrss for that one child (with what it waited for)."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
             tempfile.NamedTemporaryFile("r", suffix=".json") as rep:
-        p = subprocess.run([RUSAGE, rep.name] + argv, stdout=out, stderr=err, env=env, cwd="/")
+        p = subprocess.run([RUSAGE, rep.name, *argv], check=False, stdout=out, stderr=err,
+                           env=env, cwd="/")
         out.seek(0)
         err.seek(0)
         stdout = out.read().decode(errors="replace")
@@ -127,7 +130,7 @@ def find_blockdiff() -> tuple[dict | None, str]:
     )
     reason = ""
     for env in (plain, local):
-        r = subprocess.run([sys.executable, "-c", probe], env=env, cwd="/",
+        r = subprocess.run([sys.executable, "-c", probe], check=False, env=env, cwd="/",
                            capture_output=True, text=True)
         if r.returncode == 0:
             return env, r.stdout.strip()
@@ -169,7 +172,7 @@ def floor_sample(argv) -> Sample:
 
 def worker_sample(args: list[str], env: dict) -> Sample:
     argv = [sys.executable, os.path.join(HERE, "libworker.py")] + args
-    wall, rss, out = run_proc(argv, env)
+    wall, _, out = run_proc(argv, env)
     info = last_json_line(out)
     return Sample(info["seconds"], info["maxrss_kb"], wall, info)
 
@@ -177,7 +180,10 @@ def worker_sample(args: list[str], env: dict) -> Sample:
 def make_ops(wl: workloads.Workload, floor: str, bd_env: dict | None, bd_reason: str,
              formats: list[str], cli_format: str, peer: list[str] | None) -> list[Op]:
     d, T, B = wl.dir, wl.target, wl.base
-    p = lambda name: os.path.join(d, name)  # noqa: E731
+
+    def p(name: str) -> str:
+        return os.path.join(d, name)
+
     ops: list[Op] = []
 
     ops.append(Op(
@@ -219,11 +225,12 @@ def make_ops(wl: workloads.Workload, floor: str, bd_env: dict | None, bd_reason:
     cli = [sys.executable, "-m", "blockdiff"]
     ops.append(Op(
         "cli_create", f"python -m blockdiff create --format {cli_format}", "create",
-        lambda: proc_sample(cli + ["create", diff, T, "--base", B, "--format", cli_format], env),
+        lambda diff=diff: proc_sample(
+            cli + ["create", diff, T, "--base", B, "--format", cli_format], env),
         outputs=(diff,), skip=skip))
     ops.append(Op(
         "cli_apply", "python -m blockdiff apply", "apply",
-        lambda: proc_sample(cli + ["apply", diff, rest, "--base", B], env),
+        lambda diff=diff, rest=rest: proc_sample(cli + ["apply", diff, rest, "--base", B], env),
         outputs=(rest,), restored=rest, needs="cli_create", skip=skip))
 
     if peer:
@@ -231,11 +238,11 @@ def make_ops(wl: workloads.Workload, floor: str, bd_env: dict | None, bd_reason:
         diff, rest = p("peer.diff"), p("peer.restored")
         ops.append(Op(
             "peer_create", f"peer: {name} create", "create",
-            lambda: proc_sample(peer + ["create", diff, T, "--base", B]),
+            lambda diff=diff: proc_sample(peer + ["create", diff, T, "--base", B]),
             outputs=(diff,)))
         ops.append(Op(
             "peer_apply", f"peer: {name} apply", "apply",
-            lambda: proc_sample(peer + ["apply", diff, rest, "--base", B]),
+            lambda diff=diff, rest=rest: proc_sample(peer + ["apply", diff, rest, "--base", B]),
             outputs=(rest,), restored=rest, needs="peer_create"))
     return ops
 
@@ -297,8 +304,11 @@ def run_ops(ops: list[Op], wl: workloads.Workload, mountpoint: str, repeat: int,
             rec["copy_shared_extents"] = shared_extents(op.outputs[0])
         if op.restored:
             t0 = time.perf_counter()
-            r = subprocess.run(["cmp", "-s", wl.target, op.restored])
+            r = subprocess.run(["cmp", wl.target, op.restored], check=False, capture_output=True, text=True)
             rec["verified"] = r.returncode == 0
+            if not rec["verified"]:
+                rec["cmp"] = (r.stdout + r.stderr).strip()
+                log(f"  {op.key}: {rec['cmp']}")
             log(f"  {op.key}: cmp restored vs target: "
                 f"{'identical' if rec['verified'] else 'DIFFERENT'}"
                 f" ({time.perf_counter() - t0:.1f} s)")
@@ -343,8 +353,8 @@ def table(wrec: dict) -> str:
         + (f", {ops['floor_create']['info']['ranges']} changed ranges"
            if "info" in ops.get("floor_create", {}) else ""),
         "",
-        "| operation | median s | vs full copy | vs kernel floor | peak RSS MB | restore |",
-        "|---|--:|--:|--:|--:|:-:|",
+        "| operation | median s | vs full copy | vs kernel floor | peak RSS MB | ranges | restore |",
+        "|---|--:|--:|--:|--:|--:|:-:|",
     ]
     for key, r in ops.items():
         if "median_s" not in r:
@@ -352,7 +362,7 @@ def table(wrec: dict) -> str:
             why = why.replace("|", "/")
             why = why if len(why) <= 160 else why[:157] + "..."
             status = "skipped" if "skipped" in r else "error"
-            lines.append(f"| {r['label']} | {status}: {why} | | | | |")
+            lines.append(f"| {r['label']} | {status}: {why} | | | | | |")
             continue
         m = r["median_s"]
         vs_full = fmt_ratio(m / full) if full else "–"
@@ -361,19 +371,20 @@ def table(wrec: dict) -> str:
             "1×" if key.startswith("floor_") else "–")
         rss = f"{r['maxrss_kb'] / 1024:.1f}"
         ver = {True: "identical", False: "DIFFERENT"}.get(r.get("verified"), "")
-        lines.append(f"| {r['label']} | {fmt_s(m)} | {vs_full} | {vs_floor} | {rss} | {ver} |")
+        nr = r.get("info", {}).get("ranges", "")
+        lines.append(f"| {r['label']} | {fmt_s(m)} | {vs_full} | {vs_floor} | {rss} | {nr} | {ver} |")
     fc = ops.get("floor_create", {}).get("info")
     fa = ops.get("floor_apply", {}).get("info")
     if fc and fa:
         lines += [
             "",
-            f"kernel floor breakdown (last run): create = fsync target {fc['fsync_target_s']:.4f}"
+            (f"kernel floor breakdown (last run): create = fsync target {fc['fsync_target_s']:.4f}"
             f" + FIEMAP {fc['fiemap_s']:.4f} ({fc['fiemap_ioctls']} ioctls)"
             f" + merge {fc['merge_s']:.4f} + FICLONERANGE {fc['clone_s']:.4f}"
             f" ({fc['clone_ranges']} calls) + range table {fc['table_s']:.4f}"
             f" + fsync out {fc['fsync_out_s']:.4f} s; apply = FICLONE base"
             f" {fa['clone_base_s']:.4f} + FICLONERANGE {fa['clone_s']:.4f}"
-            f" ({fa['clone_ranges']} calls) + fsync {fa['fsync_s']:.4f} s",
+            f" ({fa['clone_ranges']} calls) + fsync {fa['fsync_s']:.4f} s"),
         ]
     return "\n".join(lines)
 

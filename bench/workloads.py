@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Self
 
 import numpy as np
 
@@ -78,7 +79,7 @@ class XfsMount:
         self._mounted = False
         self._old_handlers: dict[int, object] = {}
 
-    def __enter__(self) -> "XfsMount":
+    def __enter__(self) -> Self:
         # SIGTERM/SIGHUP would otherwise skip the finally/__exit__ clean-up.
         for sig in (signal.SIGTERM, signal.SIGHUP):
             self._old_handlers[sig] = signal.signal(sig, _raise_exit)
@@ -112,25 +113,25 @@ class XfsMount:
 
     def trim(self) -> None:
         """Give freed blocks back to the sparse backing file."""
-        subprocess.run(["fstrim", self.path], capture_output=True)
+        subprocess.run(["fstrim", self.path], check=False, capture_output=True)
 
     def __exit__(self, *exc) -> None:
         try:
             if self._mounted:
                 # in case we were interrupted while it was frozen
-                subprocess.run(["fsfreeze", "-u", self.path], capture_output=True)
+                subprocess.run(["fsfreeze", "-u", self.path], check=False, capture_output=True)
                 os.sync()
                 for attempt in range(10):
-                    r = subprocess.run(["umount", self.path], capture_output=True, text=True)
+                    r = subprocess.run(["umount", self.path], check=False, capture_output=True, text=True)
                     if r.returncode == 0:
                         break
                     time.sleep(0.5)
                 else:
-                    subprocess.run(["umount", "-l", self.path], capture_output=True)
+                    subprocess.run(["umount", "-l", self.path], check=False, capture_output=True)
                 self._mounted = False
             if self.dev:
                 for attempt in range(10):
-                    r = subprocess.run(["losetup", "-d", self.dev], capture_output=True)
+                    r = subprocess.run(["losetup", "-d", self.dev], check=False, capture_output=True)
                     if r.returncode == 0:
                         break
                     time.sleep(0.5)
@@ -174,15 +175,15 @@ def cleanup_stale(workdir: str = "/var/tmp") -> list[str]:
         d = os.path.join(workdir, name)
         mnt = os.path.join(d, "mnt")
         if os.path.ismount(mnt):
-            subprocess.run(["fsfreeze", "-u", mnt], capture_output=True)
-            subprocess.run(["umount", mnt], capture_output=True)
+            subprocess.run(["fsfreeze", "-u", mnt], check=False, capture_output=True)
+            subprocess.run(["umount", mnt], check=False, capture_output=True)
         backing = os.path.join(d, "xfs.img")
         if os.path.exists(backing):
-            r = subprocess.run(["losetup", "-j", backing], capture_output=True, text=True)
+            r = subprocess.run(["losetup", "-j", backing], check=False, capture_output=True, text=True)
             for line in r.stdout.splitlines():
                 dev = line.split(":", 1)[0]
                 if dev:
-                    subprocess.run(["losetup", "-d", dev], capture_output=True)
+                    subprocess.run(["losetup", "-d", dev], check=False, capture_output=True)
         if not os.path.ismount(mnt):
             shutil.rmtree(d, ignore_errors=True)
             cleaned.append(d)
