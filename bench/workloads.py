@@ -23,19 +23,27 @@ Run as a script to build the workloads once and print their shape::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-import fcntl
 import json
 import os
 import re
 import shutil
 import signal
-import struct
 import subprocess
 import sys
-import tempfile
 import time
-from typing import Self
+from collections.abc import Iterator
+from pathlib import Path
+
+try:
+    from blockdiff import native, scratch
+    from blockdiff.extents import ExtentMap
+except ImportError as e:
+    raise ImportError(
+        f"the benchmarks need the blockdiff package, which cannot be imported ({e}); "
+        f"install it with `bash .ci/setup` from the repository root"
+    ) from e
 
 import numpy as np
 
@@ -43,195 +51,124 @@ BLOCK = 4096
 MiB = 1 << 20
 GiB = 1 << 30
 
-FICLONE = 0x40049409
-FS_IOC_FIEMAP = 0xC020660B
-FIEMAP_EXTENT_LAST = 0x1
-FIEMAP_EXTENT_UNWRITTEN = 0x800
-_FIEMAP_HDR = struct.Struct("=QQIIII")
-_FIEMAP_EXT = struct.Struct("=QQQQQIIII")
+# Holds the scratch filesystem's backing file and mount point. Not /tmp, which
+# may be tmpfs: the backing file would then take its size in memory.
+DEFAULT_TMP_DIR = "/var/tmp/blockdiff-bench"
 
 
 # --------------------------------------------------------------------------
 # scratch filesystem
 
 
-def _run(argv, **kw):
-    return subprocess.run(argv, check=True, capture_output=True, text=True, **kw)
+def thaw(mountpoint: str | os.PathLike) -> None:
+    """Thaw a filesystem that may have been left frozen; harmless otherwise."""
+    subprocess.run(["fsfreeze", "-u", os.fspath(mountpoint)], check=False, capture_output=True)
 
 
-class XfsMount:
-    """A scratch XFS filesystem on a loop device over a sparse file.
+def _thaw_stale(tmp_dir: str) -> None:
+    """Thaw mounts of dead benchmark processes, so they can be unmounted: a
+    benchmark killed between freeze and thaw leaves its filesystem frozen."""
+    pattern = re.compile(re.escape(scratch.MOUNT_PREFIX) + r"(\d+)-")
+    with contextlib.suppress(FileNotFoundError):
+        for work in sorted(Path(tmp_dir).iterdir()):
+            m = pattern.match(work.name)
+            if m and not _alive(int(m.group(1))) and os.path.ismount(work / "mnt"):
+                thaw(work / "mnt")
 
-    The backing file lives in a fresh temporary directory under ``workdir``
-    (default /var/tmp, which must not be tmpfs).  The loop device is set up
-    with direct I/O so data is cached once (in the XFS page cache) and not a
-    second time in the page cache of the backing file.  ``__exit__`` always
-    unmounts, detaches the loop device and removes the directory.
-    """
 
-    def __init__(self, size: int, workdir: str | None = None, direct_io: bool = True):
-        self.size = size
-        self.workdir = workdir or "/var/tmp"
-        self.direct_io = direct_io
-        self.tmp: str | None = None
-        self.dev: str | None = None
-        self.path: str | None = None
-        self._mounted = False
-        self._old_handlers: dict[int, object] = {}
-
-    def __enter__(self) -> Self:
-        # SIGTERM/SIGHUP would otherwise skip the finally/__exit__ clean-up.
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            self._old_handlers[sig] = signal.signal(sig, _raise_exit)
-        try:
-            self._setup()
-        except BaseException:
-            self.__exit__(*sys.exc_info())
-            raise
-        return self
-
-    def _setup(self) -> None:
-        if os.geteuid() != 0:
-            raise PermissionError("the XFS loop mount needs root")
-        for tool in ("mkfs.xfs", "losetup", "mount", "umount"):
-            if shutil.which(tool) is None:
-                raise FileNotFoundError(f"{tool} not found (apt-get install -y xfsprogs)")
-        cleanup_stale(self.workdir)
-        self.tmp = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=self.workdir)
-        backing = os.path.join(self.tmp, "xfs.img")
-        with open(backing, "wb") as f:
-            f.truncate(self.size)
-        argv = ["losetup", "--find", "--show"]
-        if self.direct_io:
-            argv.append("--direct-io=on")
-        self.dev = _run(argv + [backing]).stdout.strip()
-        _run(["mkfs.xfs", "-q", "-f", "-m", "reflink=1", self.dev])
-        self.path = os.path.join(self.tmp, "mnt")
-        os.mkdir(self.path)
-        _run(["mount", "-t", "xfs", "-o", "noatime", self.dev, self.path])
-        self._mounted = True
-
-    def trim(self) -> None:
-        """Give freed blocks back to the sparse backing file."""
-        subprocess.run(["fstrim", self.path], check=False, capture_output=True)
-
-    def __exit__(self, *exc) -> None:
-        try:
-            if self._mounted:
-                # in case we were interrupted while it was frozen
-                subprocess.run(["fsfreeze", "-u", self.path], check=False, capture_output=True)
-                os.sync()
-                for attempt in range(10):
-                    r = subprocess.run(["umount", self.path], check=False, capture_output=True, text=True)
-                    if r.returncode == 0:
-                        break
-                    time.sleep(0.5)
-                else:
-                    subprocess.run(["umount", "-l", self.path], check=False, capture_output=True)
-                self._mounted = False
-            if self.dev:
-                for attempt in range(10):
-                    r = subprocess.run(["losetup", "-d", self.dev], check=False, capture_output=True)
-                    if r.returncode == 0:
-                        break
-                    time.sleep(0.5)
-                self.dev = None
-            if self.tmp:
-                shutil.rmtree(self.tmp, ignore_errors=True)
-                self.tmp = None
-        finally:
-            for sig, h in self._old_handlers.items():
-                signal.signal(sig, h)
-            self._old_handlers.clear()
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _raise_exit(signum, frame):
     raise SystemExit(128 + signum)
 
 
-PREFIX = "blockdiff-bench-"
-
-
-def cleanup_stale(workdir: str = "/var/tmp") -> list[str]:
-    """Tear down scratch mounts left by benchmark processes that no longer
-    exist (killed with SIGKILL, so their clean-up never ran)."""
-    pat = re.compile(re.escape(PREFIX) + r"(\d+)-")
-    cleaned = []
+@contextlib.contextmanager
+def exit_on_signals() -> Iterator[None]:
+    """Turn SIGTERM and SIGHUP into SystemExit, so clean-up code still runs."""
+    old = {sig: signal.signal(sig, _raise_exit) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        names = sorted(os.listdir(workdir))
-    except FileNotFoundError:
-        return cleaned
-    for name in names:
-        m = pat.match(name)
-        if not m:
-            continue
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def scratch_xfs(size: int, tmp_dir: str | None = None) -> Iterator[str]:
+    """A fresh XFS (reflink=1) mounted with noatime on a direct-I/O loop device
+    over a sparse file in ``tmp_dir``; yields the mount point.
+
+    First tears down what benchmark runs killed with SIGKILL left in
+    ``tmp_dir``. Direct I/O keeps the backing file out of the page cache, so
+    data is cached once, as on a real disk. On exit the filesystem is thawed
+    (in case a run was interrupted while it was frozen), unmounted, the loop
+    device detached and the files removed; failures raise
+    ``blockdiff.scratch.FilesystemError``.
+    """
+    tmp_dir = tmp_dir or DEFAULT_TMP_DIR
+    _thaw_stale(tmp_dir)
+    scratch.cleanup_stale_mounts(tmp_dir)
+    with scratch.mounted_filesystem("xfs", size=size, tmp_dir=tmp_dir, direct_io=True,
+                                    options="noatime") as mnt:
         try:
-            os.kill(int(m.group(1)), 0)
-            continue  # still running
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        d = os.path.join(workdir, name)
-        mnt = os.path.join(d, "mnt")
-        if os.path.ismount(mnt):
-            subprocess.run(["fsfreeze", "-u", mnt], check=False, capture_output=True)
-            subprocess.run(["umount", mnt], check=False, capture_output=True)
-        backing = os.path.join(d, "xfs.img")
-        if os.path.exists(backing):
-            r = subprocess.run(["losetup", "-j", backing], check=False, capture_output=True, text=True)
-            for line in r.stdout.splitlines():
-                dev = line.split(":", 1)[0]
-                if dev:
-                    subprocess.run(["losetup", "-d", dev], check=False, capture_output=True)
-        if not os.path.ismount(mnt):
-            shutil.rmtree(d, ignore_errors=True)
-            cleaned.append(d)
-    return cleaned
+            yield str(mnt)
+        finally:
+            thaw(mnt)
+            os.sync()
+
+
+def mount_source(mountpoint: str) -> str:
+    """The device mounted at ``mountpoint`` (from /proc/mounts), or "?"."""
+    with open("/proc/mounts") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 1 and fields[1] == mountpoint:
+                return fields[0]
+    return "?"
+
+
+def trim(mountpoint: str) -> None:
+    """Give freed blocks back to the sparse backing file."""
+    subprocess.run(["fstrim", mountpoint], check=False, capture_output=True)
 
 
 # --------------------------------------------------------------------------
 # file helpers
 
 
-def fiemap(path: str, batch: int = 65536) -> list[tuple[int, int, int, int]]:
-    """(logical, physical, length, flags) for every extent of ``path``."""
-    out: list[tuple[int, int, int, int]] = []
-    buf = bytearray(_FIEMAP_HDR.size + batch * _FIEMAP_EXT.size)
-    start = 0
+def extent_map(path: str) -> ExtentMap:
+    """The file's extents (FIEMAP through blockdiff's native core)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        while True:
-            _FIEMAP_HDR.pack_into(buf, 0, start, (1 << 64) - 1 - start, 0, 0, batch, 0)
-            fcntl.ioctl(fd, FS_IOC_FIEMAP, buf, True)
-            mapped = _FIEMAP_HDR.unpack_from(buf, 0)[3]
-            if mapped == 0:
-                return out
-            last = False
-            for i in range(mapped):
-                lo, ph, ln, _, _, fl, _, _, _ = _FIEMAP_EXT.unpack_from(
-                    buf, _FIEMAP_HDR.size + i * _FIEMAP_EXT.size
-                )
-                out.append((lo, ph, ln, fl))
-                last = bool(fl & FIEMAP_EXTENT_LAST)
-                start = lo + ln
-            if last:
-                return out
+        return ExtentMap.of_file(fd, path)
     finally:
         os.close(fd)
 
 
 def extent_count(path: str) -> int:
-    return len(fiemap(path))
+    return len(extent_map(path))
+
+
+def shared_extents(path: str) -> int:
+    """Number of extents of ``path`` the kernel reports as shared (reflinked)."""
+    return int(np.count_nonzero(extent_map(path).flags & native.EXTENT_SHARED))
 
 
 def reflink(src: str, dst: str) -> None:
-    """Whole-file clone of ``src`` to a new file ``dst`` (FICLONE)."""
+    """Whole-file clone of ``src`` to a new file ``dst`` (FICLONE), fsynced."""
     sfd = os.open(src, os.O_RDONLY)
     try:
         dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            fcntl.ioctl(dfd, FICLONE, sfd)
+            native.clone_file(dfd, sfd, dst)
             os.fsync(dfd)
         finally:
             os.close(dfd)
@@ -374,17 +311,22 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small images")
     ap.add_argument("--only", default="", help="comma separated workload names")
-    ap.add_argument("--workdir", default=None, help="parent of the scratch dir (default /var/tmp)")
+    ap.add_argument("--workdir", default=None,
+                    help=f"directory for the scratch filesystem (default {DEFAULT_TMP_DIR})")
     args = ap.parse_args(argv)
     only = {x for x in args.only.split(",") if x}
-    with XfsMount(mount_size(args.quick), args.workdir) as m:
+    reason = scratch.filesystem_unavailable_reason("xfs")
+    if reason:
+        print(f"cannot make a scratch XFS filesystem: {reason}", file=sys.stderr)
+        return 2
+    with exit_on_signals(), scratch_xfs(mount_size(args.quick), args.workdir) as mnt:
         for spec in specs(args.quick):
             if only and spec.name not in only:
                 continue
-            wl = build(spec, m.path)
+            wl = build(spec, mnt)
             print(json.dumps(wl.as_dict()), flush=True)
             remove(wl)
-            m.trim()
+            trim(mnt)
     return 0
 
 

@@ -192,7 +192,8 @@ def run(workdir: str | os.PathLike | None = None, *, size: int = 512 * MiB, step
 
         # For scale: what one full copy of the disk costs.
         t = time.perf_counter()
-        subprocess.run(["cp", "--reflink=never", str(disk), str(root / "full-copy.img")], check=True)
+        subprocess.run(["cp", "--reflink=never", str(disk), str(root / "full-copy.img")],
+                       check=True)
         with open(root / "full-copy.img", "rb") as f:
             os.fsync(f.fileno())
         emit("for comparison: one full copy of the disk", time.perf_counter() - t)

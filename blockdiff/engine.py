@@ -21,8 +21,15 @@ import numpy as np
 from blockdiff import format as fmt
 from blockdiff import identity, native
 from blockdiff.errors import ChecksumMismatch, UsageError, WrongBase
-from blockdiff.extents import (DATA, ZERO, ExtentMap, RangeSet, changed_ranges,
-                               ranges_from_block_classes, union)
+from blockdiff.extents import (
+    DATA,
+    ZERO,
+    ExtentMap,
+    RangeSet,
+    changed_ranges,
+    ranges_from_block_classes,
+    union,
+)
 
 BLOCK = 4096
 FORMATS = ("v1", "v2")
@@ -68,11 +75,16 @@ def _fs_name(fs_type: int) -> str:
     return native.FS_NAMES.get(fs_type, f"type {fs_type:#x}")
 
 
-def _same_file(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except FileNotFoundError:
-        return False
+def _refuse_same_file(output: str, what: str, inputs: dict[str, str | None]) -> None:
+    """Refuse to write an output over one of the inputs it is made from."""
+    for name, path in inputs.items():
+        try:
+            same = path is not None and os.path.samefile(output, path)
+        except FileNotFoundError:
+            same = False
+        if same:
+            raise UsageError(f"{what} {output} is the same file as {name}; "
+                             f"choose another {what}")
 
 
 @contextlib.contextmanager
@@ -174,10 +186,7 @@ def create_diff(out: str | os.PathLike, target: str | os.PathLike,
         raise UsageError(f"unknown diff format {format!r}; use one of {', '.join(FORMATS)}")
     out, target = os.fspath(out), os.fspath(target)
     base = None if base is None else os.fspath(base)
-    for other, name in ((target, "TARGET"), (base, "BASE")):
-        if other is not None and _same_file(out, other):
-            raise UsageError(f"the output {out} is the same file as {name}; "
-                             f"write the diff somewhere else")
+    _refuse_same_file(out, "OUT", {"TARGET": target, "BASE": base})
     version = 1 if format == "v1" else 2
     with contextlib.ExitStack() as stack:
         target_fd = stack.enter_context(_open(target))
@@ -303,10 +312,7 @@ def apply_diff(diff: str | os.PathLike, target: str | os.PathLike,
     """
     diff, target = os.fspath(diff), os.fspath(target)
     base = None if base is None else os.fspath(base)
-    for other, name in ((base, "BASE"), (diff, "the diff")):
-        if other is not None and _same_file(target, other):
-            raise UsageError(f"TARGET {target} is the same file as {name}; "
-                             f"choose another TARGET")
+    _refuse_same_file(target, "TARGET", {"BASE": base, "the diff": diff})
     notes: list[str] = []
     with contextlib.ExitStack() as stack:
         diff_fd = stack.enter_context(_open(diff))

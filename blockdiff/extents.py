@@ -64,7 +64,8 @@ class ExtentMap:
         flags = np.asarray(flags, np.uint32)
         if len(logical) > 1 and np.any(logical[1:] < logical[:-1]):
             order = np.argsort(logical, kind="stable")
-            logical, physical, length, flags = (a[order] for a in (logical, physical, length, flags))
+            logical, physical, length, flags = (
+                a[order] for a in (logical, physical, length, flags))
         return cls(logical, physical, length, flags, int(size))
 
     def __len__(self) -> int:

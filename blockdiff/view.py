@@ -10,7 +10,8 @@ import os
 
 import numpy as np
 
-from blockdiff import engine, format as fmt, native
+from blockdiff import engine, native
+from blockdiff import format as fmt
 from blockdiff.extents import DATA
 
 # Ranges shown on each side of the one containing the requested offset.
@@ -106,7 +107,8 @@ def render(report: dict) -> str:
     if report["type"] == "diff":
         lines = [f"Diff: {report['path']}",
                  f"Format: {report['format']}",
-                 f"Target size: {human_size(report['target_size'])} ({report['target_size']} bytes)",
+                 f"Target size: {human_size(report['target_size'])} "
+                 f"({report['target_size']} bytes)",
                  f"Base size: {human_size(report['base_size'])} ({report['base_size']} bytes)"
                  + ("" if report["has_base"] else " (no base)")]
         if "base_fingerprint" in report:
@@ -114,7 +116,8 @@ def render(report: dict) -> str:
                       f"Base snapshot: {report['base_id'] or 'unknown'}",
                       f"Target snapshot: {report['target_id'] or 'unknown'}"]
         lines += [f"Ranges: {report['range_count']}",
-                  f"Data: {human_size(report['data_bytes'])}, zeros: {human_size(report['zero_bytes'])}",
+                  f"Data: {human_size(report['data_bytes'])}, "
+                  f"zeros: {human_size(report['zero_bytes'])}",
                   "", "Ranges:"]
         for e in report["ranges"]:
             mark = ">" if e["index"] == report["containing"] else " "

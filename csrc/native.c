@@ -82,7 +82,10 @@ uint32_t bd_crc32c(uint32_t crc, const uint8_t *buf, size_t len)
 /* ------------------------------------------------------------------ */
 /* Small I/O helpers                                                   */
 
-static int read_full(int fd, uint8_t *buf, size_t len, uint64_t off)
+/* Read len bytes at off. Past EOF: zeros if pad_eof (a file's size need not be
+ * a multiple of the block size), else -ENODATA (the file is shorter than its
+ * caller was told). */
+static int read_at(int fd, uint8_t *buf, size_t len, uint64_t off, int pad_eof)
 {
     size_t got = 0;
     while (got < len) {
@@ -92,30 +95,14 @@ static int read_full(int fd, uint8_t *buf, size_t len, uint64_t off)
                 continue;
             return -errno;
         }
-        if (r == 0)
-            return -ENODATA;
-        got += (size_t)r;
-    }
-    return 0;
-}
-
-/* Like read_full, but bytes past EOF read as zeros (a file's size need not be
- * a multiple of the block size). */
-static int read_padded(int fd, uint8_t *buf, size_t len, uint64_t off)
-{
-    size_t got = 0;
-    while (got < len) {
-        ssize_t r = pread(fd, buf + got, len - got, (off_t)(off + got));
-        if (r < 0) {
-            if (errno == EINTR)
-                continue;
-            return -errno;
-        }
-        if (r == 0)
+        if (r == 0) {
+            if (!pad_eof)
+                return -ENODATA;
+            memset(buf + got, 0, len - got);
             break;
+        }
         got += (size_t)r;
     }
-    memset(buf + got, 0, len - got);
     return 0;
 }
 
@@ -163,7 +150,7 @@ static int copy_buffered(int src_fd, uint64_t src_off, int dst_fd,
     uint32_t c = 0;
     while (len) {
         size_t chunk = len < COPY_BUFFER ? (size_t)len : COPY_BUFFER;
-        int r = read_full(src_fd, buf, chunk, src_off);
+        int r = read_at(src_fd, buf, chunk, src_off, 0);
         if (r)
             return r;
         if (crc)
@@ -458,12 +445,12 @@ int bd_compare_blocks(int target_fd, uint64_t target_size, int base_fd,
         size_t count = nblocks - first < per_chunk ? nblocks - first : per_chunk;
         uint64_t off = (uint64_t)first * block;
         size_t bytes = count * block;
-        /* read_padded zero-fills past EOF: bytes past a file's size count as
+        /* read_at zero-fills past EOF: bytes past a file's size count as
          * zeros, as the apply side's truncate will make them. */
-        if ((rc = read_padded(target_fd, t, bytes, off)))
+        if ((rc = read_at(target_fd, t, bytes, off, 1)))
             goto out;
         int have_base = base_fd >= 0 && off < base_size;
-        if (have_base && (rc = read_padded(base_fd, b, bytes, off)))
+        if (have_base && (rc = read_at(base_fd, b, bytes, off, 1)))
             goto out;
         for (size_t i = 0; i < count; i++) {
             const uint8_t *tb = t + i * block, *bb = b + i * block;
@@ -488,7 +475,7 @@ int bd_read_blocks(int fd, const uint64_t *offsets, size_t n, uint32_t block,
 {
     prefetch(fd, offsets, NULL, n, block);
     for (size_t i = 0; i < n; i++) {
-        int rc = read_padded(fd, out + i * (size_t)block, block, offsets[i]);
+        int rc = read_at(fd, out + i * (size_t)block, block, offsets[i], 1);
         if (rc)
             return rc;
     }

@@ -15,9 +15,18 @@ import re
 import struct
 from typing import NamedTuple
 
-from blockdiff.scratch import (KINDS, MKFS, MOUNT_PREFIX, REFLINK_KINDS, SKIP_ENV,  # noqa: F401
-                               FilesystemError, cleanup_stale_mounts, default_tmp_dir,
-                               filesystem_unavailable_reason, mounted_filesystem)
+from blockdiff.scratch import (  # noqa: F401
+    KINDS,
+    MKFS,
+    MOUNT_PREFIX,
+    REFLINK_KINDS,
+    SKIP_ENV,
+    FilesystemError,
+    cleanup_stale_mounts,
+    default_tmp_dir,
+    filesystem_unavailable_reason,
+    mounted_filesystem,
+)
 
 # ioctl numbers from <linux/fs.h>; identical on all Linux architectures we run on.
 FICLONE = 0x40049409
@@ -90,7 +99,8 @@ def fiemap(path: str | os.PathLike, sync: bool = True) -> list[Extent]:
             if mapped == 0:
                 return extents
             for i in range(mapped):
-                fields = _FIEMAP_EXTENT.unpack_from(buf, _FIEMAP_HEADER.size + i * _FIEMAP_EXTENT.size)
+                offset = _FIEMAP_HEADER.size + i * _FIEMAP_EXTENT.size
+                fields = _FIEMAP_EXTENT.unpack_from(buf, offset)
                 extents.append(Extent(fields[0], fields[1], fields[2], fields[5]))
             last = extents[-1]
             if last.flags & FIEMAP_EXTENT_LAST:

@@ -1,10 +1,11 @@
 """Deterministic disk-image scenarios built with real syscalls.
 
 A scenario starts from a base image, makes the target a reflink clone of it
-(a copy where the filesystem has no reflink) and then changes the target the way a VM would: scattered block writes,
-sequential writes, discards (punched holes), preallocation, zeroing, growing
-and shrinking.  All randomness comes from the seed, so a failing case can be
-rebuilt exactly.  Every modifier fsyncs, so extent maps are stable afterwards.
+(a copy where the filesystem has no reflink) and then changes the target the
+way a VM would: scattered block writes, sequential writes, discards (punched
+holes), preallocation, zeroing, growing and shrinking.  All randomness comes
+from the seed, so a failing case can be rebuilt exactly.  Every modifier
+fsyncs, so extent maps are stable afterwards.
 """
 
 from __future__ import annotations

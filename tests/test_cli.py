@@ -10,7 +10,6 @@ import sys
 
 import pytest
 
-import scenarios
 from blockdiff import engine
 from scenarios import SCENARIOS, assert_same_bytes, make_base_image
 
@@ -169,7 +168,8 @@ def test_corrupt_data_is_caught_before_writing(pair, existing_target):
         byte = f.read(1)
         f.seek(header.data_offset + 10)
         f.write(bytes([byte[0] ^ 0xFF]))
-    fails("apply", bad, existing_target, "--base", base, code=3, match="does not match its checksum")
+    fails("apply", bad, existing_target, "--base", base, code=3,
+          match="does not match its checksum")
     _unchanged(existing_target)
 
 

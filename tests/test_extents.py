@@ -14,8 +14,16 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from blockdiff import native
-from blockdiff.extents import (DATA, ZERO, ExtentMap, RangeSet, changed_ranges,
-                               ranges_from_block_classes, subtract, union)
+from blockdiff.extents import (
+    DATA,
+    ZERO,
+    ExtentMap,
+    RangeSet,
+    changed_ranges,
+    ranges_from_block_classes,
+    subtract,
+    union,
+)
 
 BLOCK = 4096
 UNIT = 512          # extents in the model start and end on 512-byte units

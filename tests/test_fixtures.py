@@ -17,8 +17,7 @@ import pytest
 
 import filesystems
 import scenarios
-from filesystems import (FIEMAP_EXTENT_SHARED, FIEMAP_EXTENT_UNWRITTEN, KINDS,
-                         data_ranges, fiemap)
+from filesystems import FIEMAP_EXTENT_SHARED, FIEMAP_EXTENT_UNWRITTEN, KINDS, data_ranges, fiemap
 from scenarios import BLOCK, SCENARIOS, assert_same_bytes
 
 HERE = Path(__file__).resolve().parent

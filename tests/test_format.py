@@ -119,7 +119,8 @@ def test_crc32c_known_vectors():
 
 @pytest.fixture
 def sample_v2(tmp_path):
-    ranges = RangeSet(np.array([0, 8192, 20480], np.uint64), np.array([4096, 8192, 1000], np.uint64),
+    ranges = RangeSet(np.array([0, 8192, 20480], np.uint64),
+                      np.array([4096, 8192, 1000], np.uint64),
                       np.array([DATA, ZERO, DATA], np.uint8))
     path = tmp_path / "d.bdiff"
     _write_v2(path, ranges, 21480)
