@@ -23,6 +23,10 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    try:
+        import workloads  # noqa: F401  (checks that blockdiff imports)
+    except ImportError as e:
+        raise pytest.UsageError(str(e)) from None
     config.addinivalue_line("markers", "bench: benchmark; skipped unless --run-bench is given")
 
 

@@ -10,7 +10,6 @@ time.perf_counter and prints one JSON line: seconds, peak RSS of this process
 Running each call in its own process keeps the peak RSS figure per call.
 """
 
-import inspect
 import json
 import resource
 import sys
@@ -31,10 +30,8 @@ def main(argv: list[str]) -> int:
     res = None
     if op == "create":
         out, target, base, fmt = argv[1:5]
-        params = inspect.signature(create_diff).parameters
-        kw = {"fmt" if "fmt" in params else "format": fmt}
         t0 = time.perf_counter()
-        res = create_diff(out, target, base=base, **kw)
+        res = create_diff(out, target, base=base, format=fmt)
         seconds = time.perf_counter() - t0
     elif op == "apply":
         diff, target, base = argv[1:4]

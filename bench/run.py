@@ -1,12 +1,12 @@
 """Benchmark blockdiff against a full copy, a reflink clone and the kernel floor.
 
     python bench/run.py [--quick] [--repeat N] [--warmup N] [--json out.json]
-                        [--only a,b,c] [--drop-caches none|copy|all]
+                        [--only a,b,c] [--drop-caches none|copy|all] [--cli CMD]
 
 BLOCKDIFF_PEER=PROGRAM adds rows for another blockdiff-compatible program.
 
-Needs root (loop device + XFS mount), xfsprogs, cc.  See bench/README.md for
-what each row of the tables means.
+Needs root (loop device + XFS mount), xfsprogs, cc and the blockdiff package
+(`bash .ci/setup`).  See bench/README.md for what each row of the tables means.
 """
 
 from __future__ import annotations
@@ -26,12 +26,15 @@ import time
 from collections.abc import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-import workloads
+try:
+    import workloads  # first: says how to install blockdiff if it is missing
 
-FIEMAP_EXTENT_SHARED = 0x2000
+    import blockdiff
+    from blockdiff import scratch
+except ImportError as e:
+    sys.exit(f"bench/run.py: {e}")
 
 
 # --------------------------------------------------------------------------
@@ -118,28 +121,21 @@ def settle(mountpoint: str, drop: bool) -> None:
         drop_caches()
 
 
-def find_blockdiff() -> tuple[dict | None, str]:
-    """Environment in which `import blockdiff.engine` works in a child
-    interpreter: as installed, else from this checkout.  Returns (env, where)
-    or (None, reason)."""
-    probe = "import blockdiff.engine; print(blockdiff.engine.__file__)"
-    plain = os.environ.copy()
-    local = os.environ.copy()
-    local["PYTHONPATH"] = os.pathsep.join(
-        [REPO] + ([plain["PYTHONPATH"]] if plain.get("PYTHONPATH") else [])
-    )
-    reason = ""
-    for env in (plain, local):
-        r = subprocess.run([sys.executable, "-c", probe], check=False, env=env, cwd="/",
-                           capture_output=True, text=True)
-        if r.returncode == 0:
-            return env, r.stdout.strip()
-        reason = (r.stderr.strip().splitlines() or ["import failed"])[-1]
-    return None, reason
+def default_cli() -> list[str]:
+    """The `blockdiff` console script installed next to this interpreter, as a
+    normal install runs it; else `python -m blockdiff`."""
+    script = os.path.join(os.path.dirname(sys.executable), "blockdiff")
+    if os.access(script, os.X_OK):
+        return [script]
+    return [sys.executable, "-m", "blockdiff"]
 
 
-def shared_extents(path: str) -> int:
-    return sum(1 for e in workloads.fiemap(path) if e[3] & FIEMAP_EXTENT_SHARED)
+def short_command(argv: list[str]) -> str:
+    """A command line for row labels: programs by their base name."""
+    head = os.path.basename(argv[0])
+    if len(argv) > 2 and argv[1] == "-m":
+        head = "python"
+    return shlex.join([head, *argv[1:]])
 
 
 # --------------------------------------------------------------------------
@@ -156,11 +152,10 @@ class Op:
     restored: str | None = None  # verified against the target after the runs
     needs: str | None = None  # key of the op whose output this one reads
     drop: bool = False  # drop the page cache before each run (copy rows)
-    skip: str | None = None  # reason the op is not run
 
 
-def proc_sample(argv, env=None) -> Sample:
-    wall, rss, _ = run_proc(argv, env)
+def proc_sample(argv) -> Sample:
+    wall, rss, _ = run_proc(argv)
     return Sample(wall, rss, wall)
 
 
@@ -170,15 +165,15 @@ def floor_sample(argv) -> Sample:
     return Sample(info["total_s"], rss, wall, info)
 
 
-def worker_sample(args: list[str], env: dict) -> Sample:
+def worker_sample(args: list[str]) -> Sample:
     argv = [sys.executable, os.path.join(HERE, "libworker.py")] + args
-    wall, _, out = run_proc(argv, env)
+    wall, _, out = run_proc(argv)
     info = last_json_line(out)
     return Sample(info["seconds"], info["maxrss_kb"], wall, info)
 
 
-def make_ops(wl: workloads.Workload, floor: str, bd_env: dict | None, bd_reason: str,
-             formats: list[str], cli_format: str, peer: list[str] | None) -> list[Op]:
+def make_ops(wl: workloads.Workload, floor: str, formats: list[str], cli: list[str],
+             cli_format: str, peer: list[str] | None) -> list[Op]:
     d, T, B = wl.dir, wl.target, wl.base
 
     def p(name: str) -> str:
@@ -205,33 +200,30 @@ def make_ops(wl: workloads.Workload, floor: str, bd_env: dict | None, bd_reason:
         lambda: floor_sample([floor, "apply", p("floor.diff"), B, p("floor.restored")]),
         outputs=(p("floor.restored"),), restored=p("floor.restored"), needs="floor_create"))
 
-    skip = None if bd_env is not None else f"blockdiff not importable: {bd_reason}"
-    env = bd_env or {}
     ops.append(Op(
         "python_import", "python start-up + import blockdiff.engine", "other",
-        lambda: proc_sample([sys.executable, "-c", "import blockdiff.engine"], env),
-        skip=skip))
+        lambda: proc_sample([sys.executable, "-c", "import blockdiff.engine"])))
     for fmt in formats:
         diff, rest = p(f"lib-{fmt}.diff"), p(f"lib-{fmt}.restored")
         ops.append(Op(
             f"lib_create_{fmt}", f"blockdiff create_diff() in-process, {fmt}", "create",
-            lambda diff=diff, fmt=fmt: worker_sample(["create", diff, T, B, fmt], env),
-            outputs=(diff,), skip=skip))
+            lambda diff=diff, fmt=fmt: worker_sample(["create", diff, T, B, fmt]),
+            outputs=(diff,)))
         ops.append(Op(
             f"lib_apply_{fmt}", f"blockdiff apply_diff() in-process, {fmt}", "apply",
-            lambda diff=diff, rest=rest: worker_sample(["apply", diff, rest, B], env),
-            outputs=(rest,), restored=rest, needs=f"lib_create_{fmt}", skip=skip))
+            lambda diff=diff, rest=rest: worker_sample(["apply", diff, rest, B]),
+            outputs=(rest,), restored=rest, needs=f"lib_create_{fmt}"))
     diff, rest = p("cli.diff"), p("cli.restored")
-    cli = [sys.executable, "-m", "blockdiff"]
+    name = short_command(cli)
     ops.append(Op(
-        "cli_create", f"python -m blockdiff create --format {cli_format}", "create",
+        "cli_create", f"CLI: {name} create --format {cli_format}", "create",
         lambda diff=diff: proc_sample(
-            cli + ["create", diff, T, "--base", B, "--format", cli_format], env),
-        outputs=(diff,), skip=skip))
+            cli + ["create", diff, T, "--base", B, "--format", cli_format]),
+        outputs=(diff,)))
     ops.append(Op(
-        "cli_apply", "python -m blockdiff apply", "apply",
-        lambda diff=diff, rest=rest: proc_sample(cli + ["apply", diff, rest, "--base", B], env),
-        outputs=(rest,), restored=rest, needs="cli_create", skip=skip))
+        "cli_apply", f"CLI: {name} apply", "apply",
+        lambda diff=diff, rest=rest: proc_sample(cli + ["apply", diff, rest, "--base", B]),
+        outputs=(rest,), restored=rest, needs="cli_create"))
 
     if peer:
         name = os.path.basename(peer[0]) if len(peer) == 1 else shlex.join(peer)
@@ -255,10 +247,6 @@ def run_ops(ops: list[Op], wl: workloads.Workload, mountpoint: str, repeat: int,
     recs: dict[str, dict] = {op.key: {"label": op.label, "kind": op.kind} for op in ops}
     samples: dict[str, list[Sample]] = {op.key: [] for op in ops}
     failed: set[str] = set()
-    for op in ops:
-        if op.skip:
-            recs[op.key]["skipped"] = op.skip
-            failed.add(op.key)
 
     for rnd in range(warmup + repeat):
         timed = rnd >= warmup
@@ -301,10 +289,11 @@ def run_ops(ops: list[Op], wl: workloads.Workload, mountpoint: str, repeat: int,
         log(f"  {op.key}: median {rec['median_s']:.4f} s"
             f"  (runs {', '.join(f'{x:.4f}' for x in secs)})")
         if op.key == "full_copy":
-            rec["copy_shared_extents"] = shared_extents(op.outputs[0])
+            rec["copy_shared_extents"] = workloads.shared_extents(op.outputs[0])
         if op.restored:
             t0 = time.perf_counter()
-            r = subprocess.run(["cmp", wl.target, op.restored], check=False, capture_output=True, text=True)
+            r = subprocess.run(["cmp", wl.target, op.restored], check=False,
+                               capture_output=True, text=True)
             rec["verified"] = r.returncode == 0
             if not rec["verified"]:
                 rec["cmp"] = (r.stdout + r.stderr).strip()
@@ -353,7 +342,8 @@ def table(wrec: dict) -> str:
         + (f", {ops['floor_create']['info']['ranges']} changed ranges"
            if "info" in ops.get("floor_create", {}) else ""),
         "",
-        "| operation | median s | vs full copy | vs kernel floor | peak RSS MB | ranges | restore |",
+        "| operation | median s | vs full copy | vs kernel floor | peak RSS MB | ranges "
+        "| restore |",
         "|---|--:|--:|--:|--:|--:|:-:|",
     ]
     for key, r in ops.items():
@@ -372,7 +362,8 @@ def table(wrec: dict) -> str:
         rss = f"{r['maxrss_kb'] / 1024:.1f}"
         ver = {True: "identical", False: "DIFFERENT"}.get(r.get("verified"), "")
         nr = r.get("info", {}).get("ranges", "")
-        lines.append(f"| {r['label']} | {fmt_s(m)} | {vs_full} | {vs_floor} | {rss} | {nr} | {ver} |")
+        lines.append(f"| {r['label']} | {fmt_s(m)} | {vs_full} | {vs_floor} | {rss} | {nr} "
+                     f"| {ver} |")
     fc = ops.get("floor_create", {}).get("info")
     fa = ops.get("floor_apply", {}).get("info")
     if fc and fa:
@@ -395,7 +386,8 @@ def table(wrec: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="blockdiff benchmark suite")
     ap.add_argument("--quick", action="store_true", help="small images (512/256/256 MiB)")
-    ap.add_argument("--repeat", type=int, default=3, help="runs per operation (median)")
+    ap.add_argument("--repeat", type=int, default=5,
+                    help="timed runs per operation, the median is reported (default 5)")
     ap.add_argument("--warmup", type=int, default=1,
                     help="untimed rounds before the timed ones (default 1)")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
@@ -404,14 +396,28 @@ def main(argv=None) -> int:
                     help="drop the page cache before each run of: nothing, the full copy "
                          "(default), every operation")
     ap.add_argument("--formats", default="v1,v2", help="diff formats for the library rows")
+    ap.add_argument("--cli", metavar="CMD", default=None,
+                    help="command timed in the CLI rows, split like a shell command line "
+                         "(default: the blockdiff script next to this Python, else "
+                         "python -m blockdiff)")
     ap.add_argument("--cli-format", default="v2", help="diff format for the CLI rows")
     ap.add_argument("--workdir", default=None,
-                    help="parent directory of the scratch XFS backing file (default /var/tmp)")
+                    help="directory for the scratch XFS backing file and mount point "
+                         f"(default {workloads.DEFAULT_TMP_DIR}); not on tmpfs")
     args = ap.parse_args(argv)
     if args.repeat < 1 or args.warmup < 0:
         ap.error("--repeat must be >= 1 and --warmup >= 0")
+    cli = shlex.split(args.cli) if args.cli is not None else default_cli()
+    if not cli:
+        ap.error("--cli must not be empty")
+    if shutil.which(cli[0]) is None:
+        ap.error(f"--cli: {cli[0]} not found")
     if os.geteuid() != 0:
         print("bench/run.py needs root (loop device, mount, drop_caches)", file=sys.stderr)
+        return 2
+    reason = scratch.filesystem_unavailable_reason("xfs")
+    if reason:
+        print(f"bench/run.py: cannot make a scratch XFS filesystem: {reason}", file=sys.stderr)
         return 2
 
     only = {x for x in args.only.split(",") if x}
@@ -421,55 +427,55 @@ def main(argv=None) -> int:
         print(f"BLOCKDIFF_PEER: {peer[0]} not found", file=sys.stderr)
         return 2
 
-    bd_env, bd_where = find_blockdiff()
-    if bd_env is None:
-        log(f"blockdiff rows skipped: import blockdiff.engine failed ({bd_where})")
-    else:
-        log(f"blockdiff from {bd_where}")
+    bd_where = os.path.dirname(blockdiff.__file__)
+    log(f"blockdiff from {bd_where}; CLI rows time {shlex.join(cli)}")
 
     meta = {
         "kernel": platform.release(),
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
+        "python_executable": sys.executable,
         "quick": args.quick,
         "repeat": args.repeat,
         "warmup": args.warmup,
         "drop_caches": args.drop_caches,
-        "blockdiff": bd_where if bd_env else None,
-        "blockdiff_unavailable": None if bd_env else bd_where,
+        "blockdiff": bd_where,
+        "cli": cli,
         "peer": peer,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     results: list[dict] = []
+    dropped = {"none": "nothing", "copy": "the full copy", "all": "every operation"}
     print(f"## blockdiff benchmark ({'quick' if args.quick else 'full'} sizes)\n\n"
           f"Linux {meta['kernel']} {meta['machine']}, {meta['cpus']} CPUs, Python "
           f"{meta['python']}; scratch XFS (reflink=1) on a loop device; median of "
-          f"{args.repeat} runs after {args.warmup} untimed; page cache dropped before each run of: "
-          f"{ {'none': 'nothing', 'copy': 'the full copy', 'all': 'every operation'}[args.drop_caches] }."
-          f"\n", flush=True)
-    with tempfile.TemporaryDirectory(prefix="blockdiff-bench-bin-") as bindir:
+          f"{args.repeat} runs after {args.warmup} untimed; page cache dropped before each run "
+          f"of: {dropped[args.drop_caches]}.\n\n"
+          f"CLI rows time `{shlex.join(cli)}`; library rows and the start-up row run "
+          f"`{sys.executable}`.\n", flush=True)
+    with tempfile.TemporaryDirectory(prefix="blockdiff-bench-bin-") as bindir, \
+            workloads.exit_on_signals():
         global RUSAGE
         floor = compile_c(bindir, "floor")
         RUSAGE = compile_c(bindir, "rusage")
-        with workloads.XfsMount(workloads.mount_size(args.quick), args.workdir) as mnt:
-            log(f"scratch XFS on {mnt.dev} at {mnt.path}")
+        with workloads.scratch_xfs(workloads.mount_size(args.quick), args.workdir) as mnt:
+            log(f"scratch XFS on {workloads.mount_source(mnt)} at {mnt}")
             for spec in workloads.specs(args.quick):
                 if only and spec.name not in only:
                     continue
                 log(f"workload {spec.name}: building ({spec.description})")
-                wl = workloads.build(spec, mnt.path)
+                wl = workloads.build(spec, mnt)
                 log(f"workload {spec.name}: built in {wl.build_s:.1f} s, target "
                     f"{wl.extents_target} extents, {wl.changed_blocks} blocks changed")
                 try:
-                    ops = make_ops(wl, floor, bd_env, bd_where, formats, args.cli_format, peer)
-                    orecs = run_ops(ops, wl, mnt.path, args.repeat, args.warmup,
-                                    args.drop_caches)
+                    ops = make_ops(wl, floor, formats, cli, args.cli_format, peer)
+                    orecs = run_ops(ops, wl, mnt, args.repeat, args.warmup, args.drop_caches)
                     wrec = {"workload": wl.as_dict(), "ops": orecs}
                     results.append(wrec)
                 finally:
                     workloads.remove(wl)
-                    mnt.trim()
+                    workloads.trim(mnt)
                 print(table(wrec) + "\n", flush=True)
 
     if args.json:

@@ -3,15 +3,14 @@
     pytest bench --run-bench [--benchmark-json out.json]
 
 create_diff / apply_diff run on a 256 MiB image with 1 % of its blocks
-rewritten, on a scratch XFS loop mount (needs root and xfsprogs); the extent
-algebra runs on a synthetic pair of 500,000-extent maps (no root needed).
-Each test skips, saying why, when the package or the environment is missing.
+rewritten, on a scratch XFS loop mount (needs root and xfsprogs; skipped with
+the reason from blockdiff.scratch otherwise); the extent algebra runs on a
+synthetic pair of 500,000-extent maps (no root needed).
 """
 
 from __future__ import annotations
 
 import filecmp
-import inspect
 import os
 import shutil
 import subprocess
@@ -20,24 +19,14 @@ import numpy as np
 import pytest
 import workloads
 
+from blockdiff import engine, native, scratch
+from blockdiff.extents import DATA, ZERO, ExtentMap, changed_ranges
+
 pytestmark = pytest.mark.bench
 
 FORMATS = ["v1", "v2"]
 SPEC = workloads.Spec("bench", "256 MiB image, 1% of blocks overwritten",
                       256 * workloads.MiB, 0.01)
-
-
-def _engine():
-    try:
-        from blockdiff import engine
-    except ImportError as e:
-        pytest.skip(f"blockdiff.engine cannot be imported: {e}")
-    return engine
-
-
-def _format_kw(create_diff, fmt: str) -> dict:
-    params = inspect.signature(create_diff).parameters
-    return {"fmt" if "fmt" in params else "format": fmt}
 
 
 def _same(a: str, b: str) -> bool:
@@ -55,20 +44,17 @@ def _rm(path: str) -> None:
 
 @pytest.fixture(scope="module")
 def workload():
-    if os.geteuid() != 0:
-        pytest.skip("needs root for the XFS loop mount")
-    if shutil.which("mkfs.xfs") is None:
-        pytest.skip("mkfs.xfs not found (apt-get install -y xfsprogs)")
-    with workloads.XfsMount(4 * SPEC.size) as mnt:
-        wl = workloads.build(SPEC, mnt.path)
-        yield wl
+    reason = scratch.filesystem_unavailable_reason("xfs")
+    if reason:
+        pytest.skip(f"no scratch XFS filesystem: {reason}")
+    with workloads.scratch_xfs(4 * SPEC.size) as mnt:
+        yield workloads.build(SPEC, mnt)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_create_diff(benchmark, workload, fmt):
-    engine = _engine()
     out = os.path.join(workload.dir, f"create-{fmt}.diff")
-    kw = {"base": workload.base, **_format_kw(engine.create_diff, fmt)}
+    kw = {"base": workload.base, "format": fmt}
 
     res = benchmark.pedantic(engine.create_diff, args=(out, workload.target), kwargs=kw,
                              setup=lambda: _rm(out), rounds=5, iterations=1, warmup_rounds=1)
@@ -81,12 +67,10 @@ def test_create_diff(benchmark, workload, fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_apply_diff(benchmark, workload, fmt):
-    engine = _engine()
     diff = os.path.join(workload.dir, f"apply-{fmt}.diff")
     restored = os.path.join(workload.dir, f"apply-{fmt}.restored")
     _rm(diff)
-    engine.create_diff(diff, workload.target, base=workload.base,
-                       **_format_kw(engine.create_diff, fmt))
+    engine.create_diff(diff, workload.target, base=workload.base, format=fmt)
 
     benchmark.pedantic(engine.apply_diff, args=(diff, restored),
                        kwargs={"base": workload.base}, setup=lambda: _rm(restored),
@@ -103,8 +87,6 @@ def _synthetic_maps(n: int = N_EXTENTS, changed: float = 0.3, seed: int = 7):
     """A base of n contiguous 8 KiB extents and a target sharing all but a
     random `changed` fraction of them (those moved elsewhere, a few of them
     unwritten).  Returns (target, base, bytes that must come out as DATA)."""
-    from blockdiff.extents import ExtentMap
-
     rng = np.random.default_rng(seed)
     logical = np.arange(n, dtype=np.uint64) * np.uint64(EXTENT)
     length = np.full(n, EXTENT, np.uint64)
@@ -117,10 +99,10 @@ def _synthetic_maps(n: int = N_EXTENTS, changed: float = 0.3, seed: int = 7):
         * np.uint64(EXTENT)
     tflags = np.zeros(n, np.uint32)
     unwritten = moved & (rng.random(n) < 0.05)
-    tflags[unwritten] = workloads.FIEMAP_EXTENT_UNWRITTEN
-    tflags[-1] |= workloads.FIEMAP_EXTENT_LAST
+    tflags[unwritten] = native.EXTENT_UNWRITTEN
+    tflags[-1] |= native.EXTENT_LAST
     bflags = np.zeros(n, np.uint32)
-    bflags[-1] = workloads.FIEMAP_EXTENT_LAST
+    bflags[-1] = native.EXTENT_LAST
     size = n * EXTENT
     target = ExtentMap.from_arrays(logical, target_phys, length, tflags, size)
     base = ExtentMap.from_arrays(logical, base_phys, length, bflags, size)
@@ -130,18 +112,11 @@ def _synthetic_maps(n: int = N_EXTENTS, changed: float = 0.3, seed: int = 7):
 
 
 def test_changed_ranges_500k_extents(benchmark):
-    try:
-        from blockdiff.extents import changed_ranges
-    except ImportError as e:
-        pytest.skip(f"blockdiff.extents.changed_ranges cannot be imported: {e}")
     target, base, data_bytes, zero_bytes = _synthetic_maps()
 
     res = benchmark.pedantic(changed_ranges, args=(target, base), rounds=5, iterations=1,
                              warmup_rounds=1)
 
     benchmark.extra_info.update(extents=N_EXTENTS, ranges=len(res))
-    if hasattr(res, "bytes_of"):
-        from blockdiff.extents import DATA, ZERO
-
-        assert res.bytes_of(DATA) == data_bytes
-        assert res.bytes_of(ZERO) == zero_bytes
+    assert res.bytes_of(DATA) == data_bytes
+    assert res.bytes_of(ZERO) == zero_bytes

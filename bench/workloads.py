@@ -15,6 +15,9 @@ Every 4 KiB block written carries its block number and a generation tag in its
 first 16 bytes, followed by bytes from a 1 MiB random pool, so blocks are
 distinct and a range restored at the wrong offset is caught by ``cmp``.
 
+The scratch filesystem comes from ``blockdiff.scratch`` and extent counts from
+blockdiff's FIEMAP (``blockdiff.extents.ExtentMap``): the package must import.
+
 Run as a script to build the workloads once and print their shape::
 
     python bench/workloads.py [--quick] [--only a,b]
@@ -40,10 +43,11 @@ try:
     from blockdiff import native, scratch
     from blockdiff.extents import ExtentMap
 except ImportError as e:
-    raise ImportError(
-        f"the benchmarks need the blockdiff package, which cannot be imported ({e}); "
-        f"install it with `bash .ci/setup` from the repository root"
-    ) from e
+    _msg = (f"the benchmarks need the blockdiff package, which cannot be imported ({e}); "
+            f"install it with `bash .ci/setup` from the repository root")
+    if __name__ == "__main__":
+        sys.exit(_msg)
+    raise ImportError(_msg) from e
 
 import numpy as np
 

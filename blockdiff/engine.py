@@ -194,23 +194,24 @@ def create_diff(out: str | os.PathLike, target: str | os.PathLike,
         ranges, method, notes = diff_ranges(target_fd, target, base_fd, base)
         target_size = os.fstat(target_fd).st_size
         base_size = target_size if base_fd is None else os.fstat(base_fd).st_size
+        table = _v1_table(ranges) if version == 1 else ranges
+        data_pos = fmt.layout_data(table, version=version)
+        data_length = fmt.data_region_length(table, data_pos, version=version)
         if version == 1:
-            ranges = _v1_ranges(ranges)
-
-        data_pos = fmt.layout_data(ranges, version=version)
-        data_length = fmt.data_region_length(ranges, data_pos, version=version)
-        if version == 1:
-            head = fmt.encode_v1(target_size, base_size, ranges)
+            head = fmt.encode_v1(target_size, base_size, table)
             data_offset = len(head)
         else:
-            data_offset = fmt.v2_data_offset(len(ranges))
+            data_offset = fmt.v2_data_offset(len(table))
 
+        # Only DATA is stored; in v1 a ZERO range's share of the data region is
+        # left a hole, which reads as zeros wherever the diff goes.
         is_data = ranges.kind == DATA
+        src, length = ranges.offset[is_data], ranges.length[is_data]
+        containing = np.searchsorted(table.offset, src, side="right") - 1
+        dst = np.uint64(data_offset) + data_pos[containing] + (src - table.offset[containing])
         out_fd, out_temp = stack.enter_context(_atomic_output(out))
-        crcs, reflinked = native.transfer_ranges(
-            target_fd, out_fd, ranges.offset[is_data],
-            np.uint64(data_offset) + data_pos[is_data], ranges.length[is_data], out_temp,
-            checksums=version == 2)
+        crcs, reflinked = native.transfer_ranges(target_fd, out_fd, src, dst, length, out_temp,
+                                                 checksums=version == 2)
         new_id = fmt.NO_ID
         if version == 2:
             crc = np.zeros(len(ranges), np.uint32)
@@ -219,7 +220,7 @@ def create_diff(out: str | os.PathLike, target: str | os.PathLike,
             header = fmt.DiffHeader(
                 version=2, target_size=target_size,
                 base_size=0 if base_fd is None else base_size, has_base=base_fd is not None,
-                ranges=ranges, data_pos=data_pos, crc=crc,
+                ranges=table, data_pos=data_pos, crc=crc,
                 data_offset=data_offset, data_length=data_length,
                 base_fingerprint=(bytes(16) if base_fd is None
                                   else identity.fingerprint(base_fd, base_size, base)),
@@ -231,20 +232,19 @@ def create_diff(out: str | os.PathLike, target: str | os.PathLike,
         os.pwrite(out_fd, head, 0)
         # Sets the size exactly, leaving unwritten parts (v1 zero ranges) as holes.
         native.truncate(out_fd, data_offset + data_length, out_temp)
-    if reflinked < int(is_data.sum()) and method == "extents":
-        notes.append(f"copied {int(is_data.sum()) - reflinked} of {int(is_data.sum())} data "
-                     f"ranges instead of reflinking them (the output is on another "
-                     f"filesystem or reflink is unavailable)")
+    if reflinked < len(src) and method == "extents":
+        notes.append(f"copied {len(src) - reflinked} of {len(src)} data ranges instead of "
+                     f"reflinking them (the output is on another filesystem or reflink is "
+                     f"unavailable)")
     return CreateResult(
         path=out, version=version, target_size=target_size, base_size=base_size,
-        ranges=len(ranges), data_bytes=ranges.bytes_of(DATA), zero_bytes=ranges.bytes_of(ZERO),
+        ranges=len(table), data_bytes=ranges.bytes_of(DATA), zero_bytes=ranges.bytes_of(ZERO),
         method=method, reflinked=reflinked, target_id=new_id, notes=notes)
 
 
-def _v1_ranges(ranges: RangeSet) -> RangeSet:
-    """v1 has no zero records: a ZERO range becomes a DATA range whose stored
-    data is a hole. Adjacent ranges then merge, as v1 readers expect nothing
-    else of the table."""
+def _v1_table(ranges: RangeSet) -> RangeSet:
+    """The v1 range table: v1 has no zero records, so ZERO ranges join the
+    table as ranges whose stored data is a hole, merged with their neighbours."""
     start, end = union(ranges.offset, ranges.offset + ranges.length)
     return RangeSet(start, end - start, np.full(len(start), DATA, np.uint8))
 
