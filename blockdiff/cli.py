@@ -180,3 +180,148 @@ def demo(workdir, size, steps):
         click.echo(f"{timing}  {event.what}" + (f"\n{'':13}{event.detail}" if event.detail else ""))
 
     demo_module.run(workdir, size=size * 1024 * 1024, steps=steps, report=show)
+
+
+# ------------------------------------------------------------------ store
+
+def store_option(command):
+    """The --store option every store command takes."""
+    return click.option("--store", "store_path", type=click.Path(file_okay=False),
+                        envvar="BLOCKDIFF_STORE", show_envvar=True,
+                        help="The snapshot store directory.")(command)
+
+
+def _open_store(path):
+    from blockdiff.store import open_store
+
+    return open_store(path)
+
+
+def _duration(value: str | None) -> float | None:
+    """'90s', '15m', '2h', '7d' or plain seconds, in seconds."""
+    if value is None:
+        return None
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+    try:
+        if value[-1:] in units:
+            return float(value[:-1]) * units[value[-1]]
+        return float(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a duration (e.g. 90s, 15m, 2h, 7d)")
+
+
+@main.command()
+@click.argument("directory", type=click.Path(file_okay=False))
+@reports_errors
+def init(directory):
+    """Make a snapshot store in DIRECTORY (on XFS with reflink, or btrfs).
+
+    \b
+    Example:
+      blockdiff init /var/lib/sandboxes/store
+    """
+    from blockdiff.store import Store
+
+    Store.init(directory).close()
+    click.echo(f"initialised store {directory}")
+
+
+@main.command()
+@store_option
+@click.argument("image", type=click.Path(dir_okay=False, exists=True))
+@click.option("--parent", help="Snapshot the image descends from (default: what it was last "
+                               "committed as or restored from).")
+@click.option("-m", "--message", default="", help="What this step did.")
+@click.option("--meta", multiple=True, metavar="KEY=VALUE", help="Metadata; repeatable.")
+@click.option("--ttl", help="Expire after this long (e.g. 30m, 2h, 7d).")
+@click.option("--skip-unchanged", is_flag=True,
+              help="If nothing changed since the parent, print the parent's id instead.")
+@reports_errors
+def commit(store_path, image, parent, message, meta, ttl, skip_unchanged):
+    """Snapshot IMAGE; print the new snapshot's id as the last line.
+
+    \b
+    Example:
+      blockdiff commit --store S disk.img -m "pip install" --meta step=3
+    """
+    pairs = {}
+    for item in meta:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--meta")
+        pairs[key] = value
+    with _open_store(store_path) as store:
+        snap = store.commit(image, parent=parent, message=message, meta=pairs,
+                            ttl=_duration(ttl), skip_unchanged=skip_unchanged)
+    click.echo(snap.id)
+
+
+@main.command()
+@store_option
+@click.argument("snapshot_id", metavar="ID")
+@click.argument("image", type=click.Path(dir_okay=False))
+@reports_errors
+def restore(store_path, snapshot_id, image):
+    """Make IMAGE byte-identical to snapshot ID (a new path is a fork).
+
+    \b
+    Example:
+      blockdiff restore --store S 3f2a9c0d1e2b4a5c disk.img
+      blockdiff restore --store S 3f2a9c0d1e2b4a5c branch-b.img
+    """
+    with _open_store(store_path) as store:
+        result = store.restore(snapshot_id, image)
+    how = "forked into" if result.forked else "restored in place"
+    click.echo(f"{image}: {how} from {result.snapshot} ({result.ranges} ranges)")
+
+
+def _snapshot_dict(snap) -> dict:
+    return {"id": snap.id, "parent": snap.parent, "created": snap.created,
+            "message": snap.message, "meta": snap.meta, "size": snap.size,
+            "changed_bytes": snap.changed_bytes, "ranges": snap.ranges, "expires": snap.expires}
+
+
+@main.command()
+@store_option
+@click.argument("snapshot_id", metavar="[ID]", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@reports_errors
+def log(store_path, snapshot_id, as_json):
+    """The ancestry of ID (default: every snapshot), newest first.
+
+    \b
+    Example:
+      blockdiff log --store S 3f2a9c0d1e2b4a5c
+    """
+    import time as _time
+
+    from blockdiff.view import human_size
+
+    with _open_store(store_path) as store:
+        snaps = store.log(snapshot_id)
+    if as_json:
+        click.echo(json.dumps([_snapshot_dict(s) for s in snaps], indent=2))
+        return
+    for s in snaps:
+        when = _time.strftime("%Y-%m-%d %H:%M:%S", _time.localtime(s.created))
+        extra = "".join(f" {k}={v}" for k, v in sorted(s.meta.items()))
+        expiry = (f" expires {_time.strftime('%Y-%m-%d %H:%M', _time.localtime(s.expires))}"
+                  if s.expires else "")
+        click.echo(f"{s.id}  parent {s.parent or '-':16}  {when}  "
+                   f"{human_size(s.changed_bytes):>10} changed{expiry}  {s.message}{extra}")
+
+
+@main.command()
+@store_option
+@reports_errors
+def tree(store_path):
+    """Draw the whole snapshot tree.
+
+    \b
+    Example:
+      blockdiff tree --store S
+    """
+    from blockdiff.view import render_tree
+
+    with _open_store(store_path) as store:
+        click.echo(render_tree(store.log()))

@@ -97,7 +97,7 @@ def _open(path: str, flags: int = os.O_RDONLY):
 
 
 @contextlib.contextmanager
-def _atomic_output(final_path: str, mode: int = 0o644):
+def atomic_output(final_path: str, mode: int = 0o644):
     """A temporary file beside ``final_path`` that replaces it only on success.
 
     Yields ``(fd, temp_path)``. On success the file is fsynced, renamed over
@@ -209,7 +209,7 @@ def create_diff(out: str | os.PathLike, target: str | os.PathLike,
         src, length = ranges.offset[is_data], ranges.length[is_data]
         containing = np.searchsorted(table.offset, src, side="right") - 1
         dst = np.uint64(data_offset) + data_pos[containing] + (src - table.offset[containing])
-        out_fd, out_temp = stack.enter_context(_atomic_output(out))
+        out_fd, out_temp = stack.enter_context(atomic_output(out))
         crcs, reflinked = native.transfer_ranges(target_fd, out_fd, src, dst, length, out_temp,
                                                  checksums=version == 2)
         new_id = fmt.NO_ID
@@ -322,7 +322,7 @@ def apply_diff(diff: str | os.PathLike, target: str | os.PathLike,
         verify_data(diff_fd, header, diff)
 
         mode = 0o644 if base_fd is None else os.fstat(base_fd).st_mode & 0o7777
-        out_fd, temp = stack.enter_context(_atomic_output(target, mode))
+        out_fd, temp = stack.enter_context(atomic_output(target, mode))
         base_reflinked = False
         if base_fd is not None:
             try:

@@ -279,3 +279,88 @@ def ranges_from_block_classes(classes: np.ndarray, block: int, target_size: int)
     size = _U64(target_size)
     return _finish(data_start, np.minimum(data_end, size), zero_start,
                    np.minimum(zero_end, size), target_size, block)
+
+
+@dataclass(frozen=True)
+class PieceTable:
+    """Where every byte of a stored image lives: sorted, disjoint pieces, each
+    a run of the image kept at ``pos`` in the data file of layer ``layer``.
+    Bytes in no piece read as zeros; ``size`` is the image's size."""
+
+    offset: np.ndarray  # uint64
+    length: np.ndarray  # uint64
+    layer: np.ndarray   # int64: the layer (snapshot) whose data file holds the piece
+    pos: np.ndarray     # uint64: where in that data file
+    size: int
+
+    @classmethod
+    def empty(cls, size: int = 0) -> "PieceTable":
+        return cls(np.zeros(0, _U64), np.zeros(0, _U64), np.zeros(0, np.int64),
+                   np.zeros(0, _U64), size)
+
+    def __len__(self) -> int:
+        return len(self.offset)
+
+
+def _coalesce(start, length, layer, pos):
+    """Merge pieces that continue each other in the image and in one layer."""
+    if len(start) < 2:
+        return start, length, layer, pos
+    joins = ((start[:-1] + length[:-1] == start[1:]) & (layer[:-1] == layer[1:])
+             & (pos[:-1] + length[:-1] == pos[1:]))
+    first = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return start[first], np.add.reduceat(length, first), layer[first], pos[first]
+
+
+def overlay(parent: PieceTable | None, changes: RangeSet, data_pos: np.ndarray,
+            layer: int, size: int) -> PieceTable:
+    """The piece table of a child: the parent's pieces, cut to ``size``, with
+    each DATA change now held by ``layer`` at ``data_pos`` and each ZERO
+    change removed."""
+    parent = parent or PieceTable.empty()
+    p_end = parent.offset + parent.length
+    c_end = changes.offset + changes.length
+    points = _boundaries((parent.offset, p_end), (changes.offset, c_end),
+                         (np.zeros(1, _U64), np.full(1, size, _U64)))
+    points = points[points <= _U64(size)]
+    seg_start, seg_end = points[:-1], points[1:]
+    ci, c_in = _locate(changes.offset, c_end, seg_start)
+    pi, p_in = _locate(parent.offset, p_end, seg_start)
+    if len(changes):
+        from_change = c_in & (changes.kind[ci] == DATA)
+        change_pos = data_pos[ci] + (seg_start - changes.offset[ci])
+    else:
+        from_change = np.zeros(len(seg_start), bool)
+        change_pos = np.zeros(len(seg_start), _U64)
+    from_parent = ~c_in & p_in
+    keep = from_change | from_parent
+    if len(parent):
+        parent_layer = parent.layer[pi]
+        parent_pos = parent.pos[pi] + (seg_start - parent.offset[pi])
+    else:
+        parent_layer = np.zeros(len(seg_start), np.int64)
+        parent_pos = np.zeros(len(seg_start), _U64)
+    piece_layer = np.where(from_change, np.int64(layer), parent_layer)[keep]
+    piece_pos = np.where(from_change, change_pos, parent_pos)[keep]
+    start = seg_start[keep]
+    return PieceTable(*_coalesce(start, seg_end[keep] - start, piece_layer, piece_pos), size=size)
+
+
+def pieces_within(table: PieceTable, starts: np.ndarray, ends: np.ndarray):
+    """The parts of ``table`` inside the intervals ``[starts, ends)``.
+
+    Returns ``(pieces, holes)``: a PieceTable of what lies inside, and the
+    ``(start, end)`` arrays of the parts inside that no piece covers (zeros).
+    """
+    t_end = table.offset + table.length
+    points = _boundaries((table.offset, t_end), (starts, ends))
+    seg_start, seg_end = points[:-1], points[1:]
+    _, inside = _locate(starts, ends, seg_start)
+    ti, t_in = _locate(table.offset, t_end, seg_start)
+    take = inside & t_in
+    start = seg_start[take]
+    layer = table.layer[ti[take]] if len(table) else np.zeros(0, np.int64)
+    pos = (table.pos[ti[take]] + (start - table.offset[ti[take]])) if len(table) else start
+    pieces = PieceTable(*_coalesce(start, seg_end[take] - start, layer, pos), size=table.size)
+    first, last = _runs(inside & ~t_in)
+    return pieces, (seg_start[first], seg_end[last - 1])

@@ -135,3 +135,30 @@ def render(report: dict) -> str:
                      f"length={e['length']:#x} ({human_size(e['length'])}) "
                      f"flags={','.join(e['flags']) or '-'}")
     return "\n".join(lines + _no_match(report, "extent"))
+
+
+def render_tree(snapshots) -> str:
+    """The snapshot tree as text, oldest first, branches drawn with lines."""
+    children: dict[str | None, list] = {}
+    for snap in sorted(snapshots, key=lambda s: s.seq):
+        children.setdefault(snap.parent, []).append(snap)
+    lines: list[str] = []
+
+    def walk(snap, prefix: str, last: bool, root: bool) -> None:
+        # Iterative along single-child chains so a 10,000-step line does not recurse.
+        while True:
+            branch = "" if root else ("└─ " if last else "├─ ")
+            lines.append(f"{prefix}{branch}{snap.id}  {snap.message}".rstrip())
+            prefix += "" if root else ("   " if last else "│  ")
+            kids = children.get(snap.id, [])
+            if len(kids) == 1:
+                snap, last, root = kids[0], True, True
+                continue
+            for i, kid in enumerate(kids):
+                walk(kid, prefix, i == len(kids) - 1, False)
+            return
+
+    roots = children.get(None, [])
+    for snap in roots:
+        walk(snap, "", True, True)
+    return "\n".join(lines) if lines else "(no snapshots)"

@@ -1,0 +1,148 @@
+"""The snapshot store's catalog: SQLite in WAL mode, with schema migrations.
+
+Every change is one transaction (``BEGIN IMMEDIATE``, so concurrent writers
+queue on SQLite's lock instead of failing half-way). The schema version is
+the highest applied migration; opening a store applies the missing ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+import time
+from dataclasses import dataclass, field
+
+MIGRATIONS = [
+    # 1: the snapshot tree.
+    """
+    CREATE TABLE store (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+    CREATE TABLE snapshots (
+        seq INTEGER PRIMARY KEY,
+        id TEXT NOT NULL UNIQUE,
+        parent INTEGER REFERENCES snapshots(seq),
+        created REAL NOT NULL,
+        message TEXT NOT NULL DEFAULT '',
+        meta TEXT NOT NULL DEFAULT '{}',
+        size INTEGER NOT NULL,
+        changed_bytes INTEGER NOT NULL,
+        ranges INTEGER NOT NULL,
+        expires REAL,
+        map_sha256 TEXT NOT NULL
+    );
+    CREATE INDEX snapshots_parent ON snapshots(parent);
+    """,
+]
+
+
+@dataclass
+class Snapshot:
+    """One node of the tree, as the catalog records it."""
+
+    seq: int
+    id: str
+    parent: str | None
+    created: float
+    message: str
+    meta: dict = field(default_factory=dict)
+    size: int = 0
+    changed_bytes: int = 0
+    ranges: int = 0
+    expires: float | None = None
+    map_sha256: str = ""
+
+
+_SELECT = """
+    SELECT s.seq, s.id, p.id, s.created, s.message, s.meta, s.size, s.changed_bytes,
+           s.ranges, s.expires, s.map_sha256
+    FROM snapshots s LEFT JOIN snapshots p ON p.seq = s.parent
+"""
+
+
+def _row(row) -> Snapshot:
+    return Snapshot(row[0], row[1], row[2], row[3], row[4], json.loads(row[5]), *row[6:])
+
+
+class Catalog:
+    """A connection to a store's catalog."""
+
+    def __init__(self, path: str):
+        self.db = sqlite3.connect(path, timeout=60, isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.execute("PRAGMA foreign_keys=ON")
+        self._migrate()
+
+    def close(self) -> None:
+        self.db.close()
+
+    @contextlib.contextmanager
+    def transaction(self):
+        """One atomic change: BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on error."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.db
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    def _migrate(self) -> None:
+        with self.transaction() as db:
+            db.execute("CREATE TABLE IF NOT EXISTS schema_migrations "
+                       "(version INTEGER PRIMARY KEY, applied REAL NOT NULL)")
+            done = {v for (v,) in db.execute("SELECT version FROM schema_migrations")}
+            for version, script in enumerate(MIGRATIONS, 1):
+                if version not in done:
+                    for statement in script.split(";"):
+                        if statement.strip():
+                            db.execute(statement)
+                    db.execute("INSERT INTO schema_migrations VALUES (?, ?)",
+                               (version, time.time()))
+
+    @property
+    def schema_version(self) -> int:
+        (version,) = self.db.execute("SELECT MAX(version) FROM schema_migrations").fetchone()
+        return version or 0
+
+    def setting(self, key: str) -> str | None:
+        row = self.db.execute("SELECT value FROM store WHERE key = ?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def set_setting(self, key: str, value: str) -> None:
+        with self.transaction() as db:
+            db.execute("INSERT OR REPLACE INTO store VALUES (?, ?)", (key, value))
+
+    def get(self, snapshot_id: str) -> Snapshot | None:
+        row = self.db.execute(_SELECT + " WHERE s.id = ?", (snapshot_id,)).fetchone()
+        return _row(row) if row else None
+
+    def all(self) -> list[Snapshot]:
+        """Every snapshot, newest first."""
+        return [_row(r) for r in self.db.execute(_SELECT + " ORDER BY s.seq DESC")]
+
+    def ancestry(self, snapshot_id: str) -> list[Snapshot]:
+        """A snapshot and its ancestors, newest first."""
+        rows = self.db.execute("""
+            WITH RECURSIVE line(seq) AS (
+                SELECT seq FROM snapshots WHERE id = ?
+                UNION ALL
+                SELECT s.parent FROM snapshots s JOIN line ON s.seq = line.seq
+                WHERE s.parent IS NOT NULL)
+            """ + _SELECT.replace("FROM snapshots s", "FROM line JOIN snapshots s USING (seq)")
+            + " ORDER BY s.seq DESC", (snapshot_id,))
+        return [_row(r) for r in rows]
+
+    def add(self, db, snapshot: Snapshot) -> int:
+        """Insert a snapshot inside an open transaction; returns its seq."""
+        parent_seq = None
+        if snapshot.parent is not None:
+            (parent_seq,) = db.execute("SELECT seq FROM snapshots WHERE id = ?",
+                                       (snapshot.parent,)).fetchone()
+        cur = db.execute(
+            "INSERT INTO snapshots (id, parent, created, message, meta, size, "
+            "changed_bytes, ranges, expires, map_sha256) VALUES (?,?,?,?,?,?,?,?,?,?)",
+            (snapshot.id, parent_seq, snapshot.created, snapshot.message,
+             json.dumps(snapshot.meta, sort_keys=True), snapshot.size, snapshot.changed_bytes,
+             snapshot.ranges, snapshot.expires, snapshot.map_sha256))
+        return cur.lastrowid

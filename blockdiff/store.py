@@ -1,0 +1,362 @@
+"""The snapshot store: a tree of disk-image snapshots, each committed in time
+proportional to what the step changed and restorable in time proportional to
+what differs. See docs/store.md for the layout and the reasoning.
+
+Each snapshot is a *layer*: a read-only data file holding the blocks its step
+changed (reflinked from the image, so no data is copied) and a read-only map
+file with (a) its piece table, saying for every byte of the image which
+layer's data file holds it, and (b) the image's extent map at commit time,
+whose physical addresses stay meaningful because the layers keep every block
+they name alive. Committing compares the image's extent map with the
+parent's; restoring compares it with the target snapshot's and clones only
+the ranges that differ.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import io
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from blockdiff import engine, native
+from blockdiff import format as fmt
+from blockdiff.catalog import Catalog, Snapshot
+from blockdiff.errors import BlockdiffError, Unsupported, UsageError
+from blockdiff.extents import (
+    DATA,
+    ZERO,
+    ExtentMap,
+    PieceTable,
+    changed_ranges,
+    overlay,
+    pieces_within,
+)
+
+BLOCK = 4096
+LINEAGE_XATTR = "user.blockdiff.lineage"
+STORE_ENV = "BLOCKDIFF_STORE"
+
+
+class StoreError(BlockdiffError):
+    """A store operation that cannot be done as asked."""
+
+    exit_code = 6
+
+
+class UnknownSnapshot(StoreError):
+    """No snapshot with that id in this store."""
+
+
+class ImageBusy(StoreError):
+    """Another process is committing or restoring this image."""
+
+
+@dataclass
+class SnapshotMap:
+    """What a snapshot's map file holds."""
+
+    pieces: PieceTable
+    extents: ExtentMap        # the image's extent map when it was committed
+    own_pos: np.ndarray       # this layer's DATA ranges: where in its data file,
+    own_length: np.ndarray    # how long,
+    own_crc: np.ndarray       # and their CRC32C
+
+
+@dataclass
+class RestoreResult:
+    """What ``Store.restore`` did."""
+
+    snapshot: str
+    image: str
+    ranges: int          # ranges of the image rewritten
+    bytes: int
+    forked: bool         # a new image rather than one restored in place
+
+
+def _layer_number(snapshot_id: str) -> int:
+    return int(snapshot_id, 16)
+
+
+def _new_id() -> str:
+    # 63 random bits: a positive int64 names the layer inside piece tables.
+    return f"{int.from_bytes(os.urandom(8), 'big') >> 1:016x}"
+
+
+def _encode_map(m: SnapshotMap) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, size=np.uint64(m.pieces.size), p_offset=m.pieces.offset,
+             p_length=m.pieces.length, p_layer=m.pieces.layer, p_pos=m.pieces.pos,
+             e_logical=m.extents.logical, e_physical=m.extents.physical,
+             e_length=m.extents.length, e_flags=m.extents.flags, e_size=np.uint64(m.extents.size),
+             own_pos=m.own_pos, own_length=m.own_length, own_crc=m.own_crc)
+    return buf.getvalue()
+
+
+def _decode_map(raw: bytes) -> SnapshotMap:
+    z = np.load(io.BytesIO(raw))
+    pieces = PieceTable(z["p_offset"], z["p_length"], z["p_layer"], z["p_pos"], int(z["size"]))
+    extents = ExtentMap(z["e_logical"], z["e_physical"], z["e_length"], z["e_flags"],
+                        int(z["e_size"]))
+    return SnapshotMap(pieces, extents, z["own_pos"], z["own_length"], z["own_crc"])
+
+
+def _write_readonly(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Store:
+    """A snapshot store in a directory on a reflink filesystem."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        if not (self.root / "catalog.sqlite").exists():
+            raise StoreError(f"{self.root} is not a blockdiff store; "
+                             f"make one with: blockdiff init {self.root}")
+        self.objects = self.root / "objects"
+        self.staging = self.root / "staging"
+        self.catalog = Catalog(str(self.root / "catalog.sqlite"))
+        self.id = self.catalog.setting("store_id")
+
+    @classmethod
+    def init(cls, root: str | os.PathLike) -> "Store":
+        """Make a new, empty store in ``root`` (created if missing)."""
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        if (root / "catalog.sqlite").exists():
+            raise StoreError(f"{root} is already a blockdiff store")
+        probe = root / f".probe-{os.getpid()}"
+        try:
+            with open(probe, "w+b") as a, open(str(probe) + ".clone", "wb") as b:
+                a.write(b"\0" * BLOCK)
+                a.flush()
+                native.clone_file(b.fileno(), a.fileno(), b.name)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EXDEV, errno.EINVAL, errno.ENOTTY):
+                raise
+            raise Unsupported(f"{root} is on a filesystem without reflink; make the store on "
+                              f"XFS (mkfs.xfs -m reflink=1) or btrfs") from None
+        finally:
+            for p in (probe, Path(str(probe) + ".clone")):
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+        (root / "objects").mkdir(exist_ok=True)
+        (root / "staging").mkdir(exist_ok=True)
+        catalog = Catalog(str(root / "catalog.sqlite"))
+        catalog.set_setting("store_id", os.urandom(8).hex())
+        catalog.close()
+        _fsync_dir(root)
+        return cls(root)
+
+    def close(self) -> None:
+        self.catalog.close()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------- reading
+
+    def get(self, snapshot_id: str) -> Snapshot:
+        """The catalog entry of a snapshot; ``UnknownSnapshot`` if none."""
+        snap = self.catalog.get(snapshot_id)
+        if snap is None:
+            raise UnknownSnapshot(f"no snapshot {snapshot_id!r} in the store {self.root}; "
+                                  f"list them with: blockdiff log --store {self.root}")
+        return snap
+
+    def load_map(self, snap: Snapshot) -> SnapshotMap:
+        """A snapshot's map, checked against the digest the catalog recorded."""
+        raw = (self.objects / f"{snap.id}.map").read_bytes()
+        if hashlib.sha256(raw).hexdigest() != snap.map_sha256:
+            raise StoreError(f"the map of snapshot {snap.id} is damaged; "
+                             f"run: blockdiff verify --store {self.root}")
+        return _decode_map(raw)
+
+    def log(self, snapshot_id: str | None = None) -> list[Snapshot]:
+        """The ancestry of a snapshot (or every snapshot), newest first."""
+        if snapshot_id is None:
+            return self.catalog.all()
+        self.get(snapshot_id)
+        return self.catalog.ancestry(snapshot_id)
+
+    def lineage(self, image: str | os.PathLike) -> tuple[str | None, str]:
+        """``(snapshot id, state)`` an image records for this store, else ``(None, "")``."""
+        try:
+            raw = os.getxattr(image, LINEAGE_XATTR)
+        except OSError as e:
+            if e.errno in (errno.ENODATA, errno.ENOTSUP, errno.ENOENT):
+                return None, ""
+            raise
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            return None, ""
+        if record.get("store") != self.id or self.catalog.get(record.get("snapshot", "")) is None:
+            return None, ""   # another store's image, or a foreign one
+        return record["snapshot"], record.get("state", "")
+
+    def _set_lineage(self, fd: int, snapshot_id: str, state: str) -> None:
+        os.setxattr(fd, LINEAGE_XATTR, json.dumps(
+            {"store": self.id, "snapshot": snapshot_id, "state": state}).encode())
+
+    # ------------------------------------------------------------- commit
+
+    @contextlib.contextmanager
+    def _locked(self, path: str, flags: int):
+        fd = os.open(path, flags | os.O_CLOEXEC)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ImageBusy(f"{path} is being committed or restored by another process; "
+                                f"wait for it and retry") from None
+            yield fd
+        finally:
+            os.close(fd)
+
+    def commit(self, image: str | os.PathLike, *, parent: str | None = None, message: str = "",
+               meta: dict | None = None, ttl: float | None = None,
+               skip_unchanged: bool = False) -> Snapshot:
+        """Snapshot an image; returns the new snapshot (or its parent, when
+        ``skip_unchanged`` and nothing changed). The image must not be written
+        meanwhile (pause the VM)."""
+        image = os.fspath(image)
+        with self._locked(image, os.O_RDONLY) as fd:
+            known, state = self.lineage(image)
+            if state == "restoring":
+                raise StoreError(f"{image} was being restored when that was interrupted; "
+                                 f"finish with: blockdiff restore --store {self.root} {known} "
+                                 f"{image}")
+            parent = parent if parent is not None else known
+            parent_snap = None if parent is None else self.get(parent)
+            parent_map = None if parent_snap is None else self.load_map(parent_snap)
+
+            native.fsync(fd, image)
+            emap = ExtentMap.of_file(fd, image)
+            emap.check_supported(image)
+            if native.fs_info(fd, image)[2] != os.stat(self.objects).st_dev:
+                raise Unsupported(f"{image} is not on the store's filesystem; keep images "
+                                  f"beside the store ({self.root}) so snapshots are reflinks")
+            changes = changed_ranges(emap, None if parent_map is None else parent_map.extents,
+                                     BLOCK)
+            if (skip_unchanged and parent_snap is not None and len(changes) == 0
+                    and emap.size == parent_snap.size):
+                return parent_snap
+
+            snap_id = _new_id()
+            data_pos = fmt.layout_data(changes, version=2)
+            is_data = changes.kind == DATA
+            layer_tmp = self.staging / f"{snap_id}.{os.getpid()}.layer"
+            map_tmp = self.staging / f"{snap_id}.{os.getpid()}.map"
+            try:
+                out = os.open(layer_tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
+                try:
+                    crcs, _ = native.transfer_ranges(
+                        fd, out, changes.offset[is_data], data_pos[is_data],
+                        changes.length[is_data], layer_tmp, checksums=True)
+                    native.fsync(out, layer_tmp)
+                finally:
+                    os.close(out)
+                pieces = overlay(None if parent_map is None else parent_map.pieces, changes,
+                                 data_pos, _layer_number(snap_id), emap.size)
+                raw = _encode_map(SnapshotMap(pieces, emap, data_pos[is_data],
+                                              changes.length[is_data], crcs))
+                _write_readonly(map_tmp, raw)
+                os.rename(layer_tmp, self.objects / f"{snap_id}.layer")
+                os.rename(map_tmp, self.objects / f"{snap_id}.map")
+                _fsync_dir(self.objects)
+                snap = Snapshot(0, snap_id, parent, time.time(), message, meta or {},
+                                emap.size, changes.bytes_of(DATA) + changes.bytes_of(ZERO),
+                                len(changes), None if ttl is None else time.time() + ttl,
+                                hashlib.sha256(raw).hexdigest())
+                with self.catalog.transaction() as db:
+                    snap.seq = self.catalog.add(db, snap)
+            except BaseException:
+                for p in (layer_tmp, map_tmp):
+                    with contextlib.suppress(FileNotFoundError):
+                        p.unlink()
+                raise
+            self._set_lineage(fd, snap_id, "clean")
+            return snap
+
+    # ------------------------------------------------------------ restore
+
+    def _fill(self, out_fd: int, out_path: str, pieces: PieceTable) -> int:
+        """Clone pieces into a file, one native call per layer."""
+        for layer in np.unique(pieces.layer):
+            sel = pieces.layer == layer
+            src = self.objects / f"{int(layer):016x}.layer"
+            with open(src, "rb") as f:
+                native.transfer_ranges(f.fileno(), out_fd, pieces.pos[sel], pieces.offset[sel],
+                                       pieces.length[sel], out_path)
+        return len(pieces)
+
+    def restore(self, snapshot_id: str, image: str | os.PathLike) -> RestoreResult:
+        """Make ``image`` byte-identical to a snapshot.
+
+        An existing image is patched in place: only the ranges where it differs
+        from the snapshot are rewritten. A new path becomes a fork, built from
+        the snapshot's layers.
+        """
+        image = os.fspath(image)
+        snap = self.get(snapshot_id)
+        smap = self.load_map(snap)
+        if not os.path.exists(image):
+            with engine.atomic_output(image) as (fd, temp):
+                native.truncate(fd, snap.size, temp)
+                self._fill(fd, temp, smap.pieces)
+                self._set_lineage(fd, snap.id, "clean")
+            return RestoreResult(snap.id, image, len(smap.pieces),
+                                 int(smap.pieces.length.sum()), forked=True)
+        with self._locked(image, os.O_RDWR) as fd:
+            # Marked first: a crash half-way leaves an image commit refuses.
+            self._set_lineage(fd, snap.id, "restoring")
+            native.fsync(fd, image)
+            current = ExtentMap.of_file(fd, image)
+            differ = changed_ranges(smap.extents, current, BLOCK)
+            native.truncate(fd, snap.size, image)
+            data = differ.kind == DATA
+            starts = differ.offset[data]
+            pieces, (hole_start, hole_end) = pieces_within(smap.pieces, starts,
+                                                           starts + differ.length[data])
+            self._fill(fd, image, pieces)
+            zero = differ.kind == ZERO
+            native.zero_ranges(fd, np.concatenate((differ.offset[zero], hole_start)),
+                               np.concatenate((differ.length[zero], hole_end - hole_start)),
+                               image)
+            native.fsync(fd, image)
+            self._set_lineage(fd, snap.id, "clean")
+        return RestoreResult(snap.id, image, len(differ),
+                             int(differ.length.sum()), forked=False)
+
+
+def open_store(path: str | os.PathLike | None) -> Store:
+    """The store at ``path``, or at $BLOCKDIFF_STORE."""
+    path = path or os.environ.get(STORE_ENV)
+    if not path:
+        raise UsageError(f"no store given; pass --store DIR or set {STORE_ENV}")
+    return Store(path)

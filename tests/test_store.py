@@ -1,0 +1,324 @@
+"""The snapshot store on real filesystems: every restore compared byte for byte."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import random
+import stat
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import scenarios
+from blockdiff.errors import Unsupported
+from blockdiff.extents import PieceTable, RangeSet, overlay, pieces_within
+from blockdiff.store import LINEAGE_XATTR, ImageBusy, Store, StoreError, UnknownSnapshot
+from scenarios import SCENARIOS, make_base_image
+
+BLOCK = 4096
+SIZE = 4 * 1024 * 1024 + 777
+
+
+def digest(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def write_blocks(path, count, seed):
+    scenarios.random_block_writes(path, count=count, seed=seed)
+
+
+@pytest.fixture
+def store(xfs):
+    s = Store.init(xfs / "store")
+    yield s
+    s.close()
+
+
+def test_commit_restore_every_step_in_place_and_forked(store, xfs):
+    image = xfs / "disk.img"
+    make_base_image(image, SIZE, 1)
+    snaps, digests = [], []
+    ops = ["random_4k_writes", "punched_holes", "grow", "unwritten_extents", "zero_ranges",
+           "shrink_unaligned", "sequential_writes", "mixed"]
+    for step, op in enumerate([None] + ops):
+        if op is not None:
+            # Each scenario rebuilds its target from a base: use a copy of the live disk.
+            live = xfs / "live.img"
+            SCENARIOS[op](image, live, step)
+            os.replace(live, image)
+            # The lineage xattr went with the old inode; say who the parent is.
+            snap = store.commit(image, parent=snaps[-1].id, message=op)
+        else:
+            snap = store.commit(image, message="boot")
+        snaps.append(snap)
+        digests.append(digest(image))
+    # In place, in a scrambled order, then into new paths (forks).
+    order = list(range(len(snaps)))
+    random.Random(3).shuffle(order)
+    for i in order:
+        result = store.restore(snaps[i].id, image)
+        assert not result.forked
+        assert digest(image) == digests[i], f"in-place restore of step {i}"
+    for i in order:
+        fork = xfs / f"fork{i}.img"
+        assert store.restore(snaps[i].id, fork).forked
+        assert digest(fork) == digests[i], f"fork of step {i}"
+
+
+def test_restore_work_is_proportional_to_what_differs(store, xfs):
+    image = xfs / "disk.img"
+    make_base_image(image, 16 * 1024 * 1024, 2, sparse_fraction=0.0, zero_fraction=0.0)
+    base = store.commit(image)
+    expected = digest(image)
+    write_blocks(image, 100, seed=5)
+    after = store.commit(image)
+    assert after.ranges <= 100
+    write_blocks(image, 100, seed=6)       # an uncommitted step to throw away
+    result = store.restore(base.id, image)
+    assert result.ranges <= 200
+    assert digest(image) == expected
+
+
+def test_deep_line_restores_at_any_depth(store, xfs):
+    image = xfs / "disk.img"
+    make_base_image(image, SIZE, 3)
+    snaps, digests = [], []
+    for step in range(60):
+        if step:
+            write_blocks(image, 3, seed=step)
+        snaps.append(store.commit(image, message=f"step {step}"))
+        digests.append(digest(image))
+    for depth in (1, 30, 59, 0):
+        result = store.restore(snaps[depth].id, image)
+        assert digest(image) == digests[depth]
+        assert result.ranges <= 3 * 60
+    assert len(store.log(snaps[-1].id)) == 60
+
+
+def test_forks_change_independently_and_form_a_tree(store, xfs):
+    image = xfs / "disk.img"
+    make_base_image(image, SIZE, 4)
+    root = store.commit(image, message="root")
+    forks = {}
+    for name in ("a", "b", "c"):
+        path = xfs / f"{name}.img"
+        store.restore(root.id, path)
+        write_blocks(path, 10, seed=ord(name))
+        forks[name] = (store.commit(path, message=f"branch {name}"), digest(path))
+    for name, (snap, expected) in forks.items():
+        assert snap.parent == root.id          # found from the image's lineage
+        out = xfs / f"check-{name}.img"
+        store.restore(snap.id, out)
+        assert digest(out) == expected
+    assert {s.id for s in store.log()} == {root.id} | {s.id for s, _ in forks.values()}
+
+
+def test_skip_unchanged(store, xfs):
+    image = xfs / "disk.img"
+    make_base_image(image, SIZE, 5)
+    first = store.commit(image)
+    assert store.commit(image, skip_unchanged=True).id == first.id
+    assert store.commit(image).id != first.id   # without the flag: a new node
+
+
+def test_lineage_follows_the_image_and_ignores_foreign_ones(store, xfs):
+    image = xfs / "disk.img"
+    make_base_image(image, SIZE, 6)
+    snap = store.commit(image)
+    moved = xfs / "moved.img"
+    os.rename(image, moved)
+    write_blocks(moved, 4, seed=1)
+    assert store.commit(moved).parent == snap.id
+    foreign = xfs / "foreign.img"
+    make_base_image(foreign, SIZE, 7)
+    assert store.commit(foreign).parent is None
+    other = Store.init(xfs / "other-store")
+    other_image = xfs / "other.img"
+    make_base_image(other_image, SIZE, 8)
+    other.commit(other_image)
+    assert store.commit(other_image).parent is None   # another store's lineage is not ours
+    other.close()
+
+
+def test_interrupted_restore_is_refused_then_finished(store, xfs):
+    image = xfs / "disk.img"
+    make_base_image(image, SIZE, 9)
+    snap = store.commit(image)
+    expected = digest(image)
+    write_blocks(image, 20, seed=2)
+    record = json.loads(os.getxattr(image, LINEAGE_XATTR))
+    record["state"] = "restoring"
+    os.setxattr(image, LINEAGE_XATTR, json.dumps(record).encode())
+    with pytest.raises(StoreError, match="was being restored"):
+        store.commit(image)
+    store.restore(snap.id, image)
+    assert digest(image) == expected
+    store.commit(image)
+
+
+def test_snapshot_files_are_read_only(store, xfs):
+    image = xfs / "disk.img"
+    make_base_image(image, SIZE, 10)
+    snap = store.commit(image)
+    for suffix in ("layer", "map"):
+        mode = os.stat(store.objects / f"{snap.id}.{suffix}").st_mode
+        assert not mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)
+
+
+def test_tampered_map_is_detected(store, xfs):
+    image = xfs / "disk.img"
+    make_base_image(image, SIZE, 11)
+    snap = store.commit(image)
+    path = store.objects / f"{snap.id}.map"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    os.chmod(path, 0o644)
+    path.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match="damaged"):
+        store.restore(snap.id, xfs / "out.img")
+
+
+def test_busy_image_is_refused(store, xfs):
+    image = xfs / "disk.img"
+    make_base_image(image, SIZE, 12)
+    with open(image, "rb") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        with pytest.raises(ImageBusy, match="another process"):
+            store.commit(image)
+
+
+def test_unknown_snapshot(store, xfs):
+    with pytest.raises(UnknownSnapshot, match="no snapshot"):
+        store.restore("0123456789abcdef", xfs / "x.img")
+    assert not (xfs / "x.img").exists()
+
+
+def test_store_needs_reflink(ext4):
+    with pytest.raises(Unsupported, match="without reflink"):
+        Store.init(ext4 / "store")
+
+
+_COMMITTER = """
+import sys
+from blockdiff.store import Store
+store = Store(sys.argv[1])
+for i in range(int(sys.argv[3])):
+    with open(sys.argv[2], "r+b") as f:
+        f.seek(4096 * (i % 64))
+        f.write(bytes([i % 251]) * 4096)
+    print(store.commit(sys.argv[2], message=f"{sys.argv[2]} {i}").id, flush=True)
+"""
+
+
+def test_parallel_committers(store, xfs):
+    procs = []
+    for n in range(4):
+        image = xfs / f"vm{n}.img"
+        make_base_image(image, SIZE, 20 + n)
+        procs.append(subprocess.Popen([sys.executable, "-c", _COMMITTER, str(store.root),
+                                       str(image), "8"], stdout=subprocess.PIPE, text=True))
+    ids = []
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0
+        ids += out.split()
+    assert len(ids) == 32 and len(set(ids)) == 32
+    assert {s.id for s in store.log()} == set(ids)
+    for n in range(4):
+        last = store.log()[0]
+        out = xfs / f"check{n}.img"
+        store.restore(last.id, out)
+
+
+def test_cli_round_trip(xfs):
+    env = dict(os.environ, BLOCKDIFF_STORE=str(xfs / "store"))
+
+    def run(*args):
+        proc = subprocess.run([sys.executable, "-m", "blockdiff", *map(str, args)],
+                              capture_output=True, text=True, env=env)
+        return proc
+
+    assert run("init", xfs / "store").returncode == 0
+    image = xfs / "disk.img"
+    make_base_image(image, SIZE, 30)
+    first = run("commit", image, "-m", "boot", "--meta", "step=0").stdout.splitlines()[-1]
+    write_blocks(image, 5, seed=1)
+    second = run("commit", image, "-m", "edit", "--ttl", "2h").stdout.splitlines()[-1]
+    assert run("restore", first, xfs / "fork.img").returncode == 0
+    log = json.loads(run("log", second, "--json").stdout)
+    assert [e["id"] for e in log] == [second, first]
+    assert log[1]["meta"] == {"step": "0"} and log[0]["expires"] is not None
+    assert first in run("tree").stdout
+    bad = run("restore", "ffffffffffffffff", xfs / "x.img")
+    assert bad.returncode == 6 and "no snapshot" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+    nostore = subprocess.run([sys.executable, "-m", "blockdiff", "log"], capture_output=True,
+                             text=True, env={k: v for k, v in env.items()
+                                             if k != "BLOCKDIFF_STORE"})
+    assert nostore.returncode == 2 and "--store" in nostore.stderr
+
+
+# ---------------------------------------------------- piece table algebra
+
+
+def _model(table: PieceTable):
+    """Byte model (in blocks): block -> (layer, pos) or None."""
+    out = [None] * (table.size // BLOCK)
+    for o, n, layer, pos in zip(table.offset, table.length, table.layer, table.pos):
+        for k in range(int(n) // BLOCK):
+            out[int(o) // BLOCK + k] = (int(layer), int(pos) + k * BLOCK)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_overlay_and_pieces_within_match_a_model(seed):
+    rng = random.Random(seed)
+    table, model = None, None
+    for layer in range(1, 6):
+        size = rng.randint(0, 40) * BLOCK
+        starts = sorted(rng.sample(range(0, max(size // BLOCK, 1)), min(5, size // BLOCK)))
+        offset, length, kind = [], [], []
+        for i, s in enumerate(starts):
+            end = starts[i + 1] if i + 1 < len(starts) else size // BLOCK
+            n = rng.randint(1, max(1, end - s))
+            offset.append(s * BLOCK)
+            length.append(n * BLOCK)
+            kind.append(rng.choice([0, 0, 1]))
+        changes = RangeSet(np.array(offset, np.uint64), np.array(length, np.uint64),
+                           np.array(kind, np.uint8))
+        pos = np.zeros(len(offset), np.uint64)
+        np.cumsum(changes.length[:-1], out=pos[1:])
+        new = overlay(table, changes, pos, layer, size)
+        expect = (model or []) + [None] * size
+        expect = expect[: size // BLOCK]
+        for o, n, k, p in zip(offset, length, kind, pos):
+            for b in range(n // BLOCK):
+                expect[o // BLOCK + b] = (layer, int(p) + b * BLOCK) if k == 0 else None
+        assert _model(new) == expect
+        table, model = new, expect
+        lo, hi = sorted(rng.sample(range(0, size // BLOCK + 1), 2)) if size else (0, 0)
+        inside, (hs, he) = pieces_within(table, np.array([lo * BLOCK], np.uint64),
+                                         np.array([hi * BLOCK], np.uint64))
+        got = _model(PieceTable(inside.offset, inside.length, inside.layer, inside.pos, size))
+        assert got[lo:hi] == expect[lo:hi]
+        holes = {b for s, e in zip(hs, he) for b in range(int(s) // BLOCK, int(e) // BLOCK)}
+        assert holes == {b for b in range(lo, hi) if expect[b] is None}
+
+
+def test_tree_rendering(store, xfs):
+    from blockdiff.view import render_tree
+
+    image = xfs / "disk.img"
+    make_base_image(image, SIZE, 40)
+    root = store.commit(image, message="root")
+    a = store.commit(image, message="a")
+    store.restore(root.id, xfs / "b.img")
+    b = store.commit(xfs / "b.img", message="b")
+    text = render_tree(store.log())
+    assert text.splitlines()[0].startswith(root.id)
+    assert f"├─ {a.id}  a" in text and f"└─ {b.id}  b" in text
