@@ -31,6 +31,12 @@ MIGRATIONS = [
         map_sha256 TEXT NOT NULL
     );
     CREATE INDEX snapshots_parent ON snapshots(parent);
+    CREATE TABLE layer_refs (
+        snapshot INTEGER NOT NULL REFERENCES snapshots(seq) ON DELETE CASCADE,
+        layer INTEGER NOT NULL,
+        PRIMARY KEY (snapshot, layer)
+    );
+    CREATE INDEX layer_refs_layer ON layer_refs(layer);
     """,
 ]
 
@@ -133,8 +139,9 @@ class Catalog:
             + " ORDER BY s.seq DESC", (snapshot_id,))
         return [_row(r) for r in rows]
 
-    def add(self, db, snapshot: Snapshot) -> int:
-        """Insert a snapshot inside an open transaction; returns its seq."""
+    def add(self, db, snapshot: Snapshot, layers) -> int:
+        """Insert a snapshot, and the layers its pieces use, inside an open
+        transaction; returns its seq."""
         parent_seq = None
         if snapshot.parent is not None:
             (parent_seq,) = db.execute("SELECT seq FROM snapshots WHERE id = ?",
@@ -145,4 +152,29 @@ class Catalog:
             (snapshot.id, parent_seq, snapshot.created, snapshot.message,
              json.dumps(snapshot.meta, sort_keys=True), snapshot.size, snapshot.changed_bytes,
              snapshot.ranges, snapshot.expires, snapshot.map_sha256))
+        db.executemany("INSERT INTO layer_refs VALUES (?, ?)",
+                       [(cur.lastrowid, int(layer)) for layer in layers])
         return cur.lastrowid
+
+    def remove(self, db, snapshot: Snapshot) -> list[int]:
+        """Delete a snapshot inside an open transaction, handing its children to
+        its parent. Returns the layers no remaining snapshot uses."""
+        used = [layer for (layer,) in db.execute(
+            "SELECT layer FROM layer_refs WHERE snapshot = ?", (snapshot.seq,))]
+        db.execute("UPDATE snapshots SET parent = (SELECT parent FROM snapshots WHERE seq = ?) "
+                   "WHERE parent = ?", (snapshot.seq, snapshot.seq))
+        db.execute("DELETE FROM snapshots WHERE seq = ?", (snapshot.seq,))
+        return [layer for layer in used if db.execute(
+            "SELECT 1 FROM layer_refs WHERE layer = ? LIMIT 1", (layer,)).fetchone() is None]
+
+    def layers_in_use(self) -> set[int]:
+        """Every layer some snapshot's pieces use."""
+        return {layer for (layer,) in self.db.execute("SELECT DISTINCT layer FROM layer_refs")}
+
+    def integrity_problems(self) -> list[str]:
+        """What SQLite's own integrity and foreign-key checks report."""
+        problems = [row[0] for row in self.db.execute("PRAGMA integrity_check")
+                    if row[0] != "ok"]
+        problems += [f"dangling reference in {row[0]}"
+                     for row in self.db.execute("PRAGMA foreign_key_check")]
+        return problems

@@ -325,3 +325,103 @@ def tree(store_path):
 
     with _open_store(store_path) as store:
         click.echo(render_tree(store.log()))
+
+
+@main.command()
+@store_option
+@click.argument("snapshot_id", metavar="ID")
+@reports_errors
+def rm(store_path, snapshot_id):
+    """Delete snapshot ID; its descendants stay restorable.
+
+    \b
+    Example:
+      blockdiff rm --store S 3f2a9c0d1e2b4a5c
+    """
+    from blockdiff.view import human_size
+
+    with _open_store(store_path) as store:
+        result = store.rm(snapshot_id)
+    click.echo(f"removed {snapshot_id}, freed {human_size(result.bytes_freed)}")
+
+
+@main.command()
+@store_option
+@click.option("--keep-last", type=click.IntRange(min=0), help="Keep the N newest snapshots.")
+@click.option("--keep-within", help="Keep snapshots younger than this (e.g. 2h, 7d).")
+@click.option("--dry-run", is_flag=True, help="Say what would go, remove nothing.")
+@reports_errors
+def gc(store_path, keep_last, keep_within, dry_run):
+    """Remove expired snapshots and those the policy does not keep.
+
+    Without --keep-last or --keep-within only expired snapshots (TTL) go.
+    Files left by interrupted operations are swept too.
+
+    \b
+    Example:
+      blockdiff gc --store S --keep-last 50 --keep-within 1d
+    """
+    from blockdiff.retention import Policy
+    from blockdiff.view import human_size
+
+    policy = Policy(keep_last=keep_last, keep_within=_duration(keep_within))
+    with _open_store(store_path) as store:
+        result = store.gc(policy, dry_run=dry_run)
+    verb = "would remove" if dry_run else "removed"
+    for snapshot_id in result.removed:
+        click.echo(f"{verb} {snapshot_id} ({result.reasons[snapshot_id]})")
+    if not dry_run:
+        click.echo(f"freed {human_size(result.bytes_freed)}")
+
+
+@main.command()
+@store_option
+@click.argument("snapshot_id", metavar="[ID]", required=False)
+@reports_errors
+def verify(store_path, snapshot_id):
+    """Check the catalog and every checksum (of ID, or of every snapshot).
+
+    Exits non-zero and names each damaged snapshot.
+
+    \b
+    Example:
+      blockdiff verify --store S
+    """
+    with _open_store(store_path) as store:
+        problems = store.verify(snapshot_id)
+    if not problems:
+        click.echo("store is consistent; every checksum matches")
+        return
+    for name, found in problems.items():
+        for problem in found:
+            click.echo(f"blockdiff: damaged: {name}: {problem}", err=True)
+    sys.exit(7)
+
+
+@main.command(name="diff")
+@store_option
+@click.argument("a")
+@click.argument("b")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@reports_errors
+def diff_command(store_path, a, b, as_json):
+    """The ranges where snapshot B differs from snapshot A.
+
+    \b
+    Example:
+      blockdiff diff --store S 3f2a9c0d1e2b4a5c 77e0a1b2c3d4e5f6
+    """
+    from blockdiff.extents import DATA
+    from blockdiff.view import human_size
+
+    with _open_store(store_path) as store:
+        ranges = store.diff(a, b)
+    entries = [{"offset": int(o), "length": int(n), "kind": "data" if k == DATA else "zero"}
+               for o, n, k in zip(ranges.offset, ranges.length, ranges.kind)]
+    total = int(ranges.length.sum())
+    if as_json:
+        click.echo(json.dumps({"a": a, "b": b, "bytes": total, "ranges": entries}, indent=2))
+        return
+    for e in entries:
+        click.echo(f"offset={e['offset']:#x} length={e['length']:#x} {e['kind']}")
+    click.echo(f"{len(entries)} ranges, {human_size(total)} differ")

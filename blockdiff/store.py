@@ -126,6 +126,41 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+@dataclass
+class Removal:
+    """What ``Store.rm`` or ``Store.gc`` removed."""
+
+    removed: list[str]
+    bytes_freed: int
+    reasons: dict
+
+
+def _allocated(path: Path) -> int:
+    try:
+        return os.stat(path).st_blocks * 512
+    except FileNotFoundError:
+        return 0
+
+
+def _unlink(path: Path) -> int:
+    """Remove a file; the bytes it held (shared blocks count in full)."""
+    size = _allocated(path)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+        return size
+    return 0
+
+
 class Store:
     """A snapshot store in a directory on a reflink filesystem."""
 
@@ -294,7 +329,7 @@ class Store:
                                 len(changes), None if ttl is None else time.time() + ttl,
                                 hashlib.sha256(raw).hexdigest())
                 with self.catalog.transaction() as db:
-                    snap.seq = self.catalog.add(db, snap)
+                    snap.seq = self.catalog.add(db, snap, np.unique(pieces.layer))
             except BaseException:
                 for p in (layer_tmp, map_tmp):
                     with contextlib.suppress(FileNotFoundError):
@@ -352,6 +387,113 @@ class Store:
             self._set_lineage(fd, snap.id, "clean")
         return RestoreResult(snap.id, image, len(differ),
                              int(differ.length.sum()), forked=False)
+
+    def rm(self, snapshot_id: str) -> Removal:
+        """Delete one snapshot; its descendants stay restorable byte for byte."""
+        return self._remove([self.get(snapshot_id)], {snapshot_id: "asked"})
+
+    def _remove(self, snaps, reasons) -> Removal:
+        freed = 0
+        for snap in snaps:
+            with self.catalog.transaction() as db:
+                unused = self.catalog.remove(db, snap)
+            # Files go after the catalog commit: a crash in between leaves
+            # only unreferenced files, which gc sweeps.
+            freed += _unlink(self.objects / f"{snap.id}.map")
+            for layer in set(unused) | {_layer_number(snap.id)}:
+                if layer not in self.catalog.layers_in_use():
+                    freed += _unlink(self.objects / f"{layer:016x}.layer")
+        return Removal([s.id for s in snaps], freed, reasons)
+
+    def gc(self, policy, *, now: float | None = None, dry_run: bool = False) -> Removal:
+        """Remove expired snapshots and those the policy does not keep, then
+        sweep files no snapshot uses (left by interrupted operations)."""
+        from blockdiff.retention import apply_policy
+
+        _, remove, reasons = apply_policy(self.catalog.all(), policy,
+                                          time.time() if now is None else now)
+        reasons = {s.id: reasons[s.id] for s in remove}
+        if dry_run:
+            return Removal([s.id for s in remove], 0, reasons)
+        result = self._remove(remove, reasons)
+        result.bytes_freed += self._sweep()
+        return result
+
+    def _sweep(self) -> int:
+        live = {s.id for s in self.catalog.all()}
+        layers = self.catalog.layers_in_use()
+        freed = 0
+        for path in self.objects.iterdir():
+            name, _, kind = path.name.partition(".")
+            try:
+                number = int(name, 16)
+            except ValueError:
+                continue
+            if name in live or (kind == "layer" and number in layers):
+                continue
+            freed += _unlink(path)
+        for path in self.staging.iterdir():
+            pid = path.name.split(".")[1] if path.name.count(".") >= 2 else ""
+            if pid.isdigit() and not _process_alive(int(pid)):
+                freed += _unlink(path)
+        return freed
+
+    def verify(self, snapshot_id: str | None = None) -> dict[str, list[str]]:
+        """Problems found, by snapshot id ("catalog" for the catalog itself).
+
+        Checks the catalog's integrity, every map against its digest, that
+        snapshot files are read-only, that every layer a snapshot uses exists,
+        and every stored range against its CRC32C.
+        """
+        problems: dict[str, list[str]] = {}
+        catalog = self.catalog.integrity_problems()
+        if catalog:
+            problems["catalog"] = catalog
+        snaps = [self.get(snapshot_id)] if snapshot_id else self.catalog.all()
+        checked_layers: dict[int, list[str]] = {}
+        for snap in snaps:
+            found: list[str] = []
+            path = self.objects / f"{snap.id}.map"
+            try:
+                smap = self.load_map(snap)
+            except (OSError, StoreError, ValueError) as e:
+                problems[snap.id] = [f"map: {getattr(e, 'strerror', None) or e}"]
+                continue
+            for layer in np.unique(smap.pieces.layer):
+                if int(layer) not in checked_layers:
+                    checked_layers[int(layer)] = self._check_layer(int(layer))
+                found += checked_layers[int(layer)]
+            if os.stat(path).st_mode & 0o222:
+                found.append(f"{path.name} is writable")
+            own = self.objects / f"{snap.id}.layer"
+            if own.exists():
+                found += self._check_own_ranges(own, smap)
+            if found:
+                problems[snap.id] = sorted(set(found))
+        return problems
+
+    def _check_layer(self, layer: int) -> list[str]:
+        path = self.objects / f"{layer:016x}.layer"
+        if not path.exists():
+            return [f"layer {path.name} is missing"]
+        if os.stat(path).st_mode & 0o222:
+            return [f"{path.name} is writable"]
+        return []
+
+    def _check_own_ranges(self, path: Path, smap: SnapshotMap) -> list[str]:
+        with open(path, "rb") as f:
+            try:
+                crcs, _ = native.transfer_ranges(f.fileno(), -1, smap.own_pos, None,
+                                                 smap.own_length, path, checksums=True)
+            except OSError as e:
+                return [f"{path.name}: {e.strerror}"]
+        bad = int((crcs != smap.own_crc).sum())
+        return [f"{path.name}: {bad} range(s) fail their checksum"] if bad else []
+
+    def diff(self, a: str, b: str):
+        """The ranges where snapshot ``b`` differs from snapshot ``a``."""
+        map_a, map_b = self.load_map(self.get(a)), self.load_map(self.get(b))
+        return changed_ranges(map_b.extents, map_a.extents, BLOCK)
 
 
 def open_store(path: str | os.PathLike | None) -> Store:

@@ -322,3 +322,140 @@ def test_tree_rendering(store, xfs):
     text = render_tree(store.log())
     assert text.splitlines()[0].startswith(root.id)
     assert f"├─ {a.id}  a" in text and f"└─ {b.id}  b" in text
+
+
+# ------------------------------------------------------ rm, gc, verify, diff
+
+
+def _line(store, xfs, steps, blocks=5):
+    image = xfs / "disk.img"
+    make_base_image(image, SIZE, 50)
+    snaps, digests = [], []
+    for step in range(steps):
+        if step:
+            write_blocks(image, blocks, seed=100 + step)
+        snaps.append(store.commit(image, message=f"step {step}"))
+        digests.append(digest(image))
+    return image, snaps, digests
+
+
+def test_rm_keeps_descendants_restorable(store, xfs):
+    image, snaps, digests = _line(store, xfs, 6)
+    for victim in (snaps[0], snaps[3], snaps[1]):
+        result = store.rm(victim.id)
+        assert result.removed == [victim.id]
+    assert not (store.objects / f"{snaps[3].id}.map").exists()
+    live = [2, 4, 5]
+    assert [s.id for s in store.log(snaps[5].id)] == [snaps[i].id for i in (5, 4, 2)]
+    for i in live:
+        out = xfs / f"r{i}.img"
+        store.restore(snaps[i].id, out)
+        assert digest(out) == digests[i]
+    assert store.verify() == {}
+    # Removing everything frees every layer.
+    for i in live:
+        store.rm(snaps[i].id)
+    assert sorted(p.name for p in store.objects.iterdir()) == []
+
+
+def test_gc_policy_and_ttl(store, xfs):
+    image, snaps, digests = _line(store, xfs, 5)
+    expiring = store.commit(image, ttl=0.0, message="scratch")
+    from blockdiff.retention import Policy
+
+    dry = store.gc(Policy(keep_last=2), dry_run=True)
+    assert expiring.id in dry.removed and len(dry.removed) == 4
+    assert len(store.log()) == 6        # nothing removed by a dry run
+    result = store.gc(Policy(keep_last=2))
+    assert result.reasons[expiring.id] == "expired" and result.bytes_freed > 0
+    kept = {s.id for s in store.log()}
+    assert kept == {snaps[4].id, snaps[3].id}
+    for i in (3, 4):
+        out = xfs / f"g{i}.img"
+        store.restore(snaps[i].id, out)
+        assert digest(out) == digests[i]
+
+
+def test_gc_sweeps_leftovers_of_interrupted_operations(store, xfs):
+    image, snaps, _ = _line(store, xfs, 2)
+    (store.objects / "00000000000000aa.layer").write_bytes(b"x" * 8192)
+    (store.staging / "00000000000000bb.999999999.layer").write_bytes(b"y" * 8192)
+    from blockdiff.retention import Policy
+
+    assert store.gc(Policy()).bytes_freed >= 16384
+    assert not (store.objects / "00000000000000aa.layer").exists()
+    assert {s.id for s in store.log()} == {s.id for s in snaps}
+
+
+def test_verify_names_damaged_snapshots(store, xfs):
+    image, snaps, _ = _line(store, xfs, 3, blocks=20)
+    assert store.verify() == {}
+    layer = store.objects / f"{snaps[1].id}.layer"
+    os.chmod(layer, 0o644)
+    with open(layer, "r+b") as f:
+        f.seek(100)
+        f.write(b"tampered")
+    problems = store.verify()
+    assert snaps[1].id in problems
+    assert any("checksum" in p for p in problems[snaps[1].id])
+    assert any("writable" in p for p in problems[snaps[1].id])
+    # Snapshot 2 uses snapshot 1's layer, but its own data is intact.
+    (store.objects / f"{snaps[0].id}.layer").unlink()
+    problems = store.verify()
+    assert all(any("missing" in p for p in problems[s.id]) for s in snaps)
+
+
+def test_verify_cli_exit_code(xfs):
+    env = dict(os.environ, BLOCKDIFF_STORE=str(xfs / "store"))
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "blockdiff", *map(str, args)],
+                              capture_output=True, text=True, env=env)
+
+    run("init", xfs / "store")
+    image = xfs / "disk.img"
+    make_base_image(image, SIZE, 60)
+    snap = run("commit", image).stdout.split()[-1]
+    assert run("verify").returncode == 0
+    os.chmod(xfs / "store" / "objects" / f"{snap}.map", 0o644)
+    bad = run("verify")
+    assert bad.returncode == 7 and snap in bad.stderr
+
+
+def test_diff_between_any_two_snapshots(store, xfs):
+    image = xfs / "disk.img"
+    make_base_image(image, SIZE, 70, sparse_fraction=0.0, zero_fraction=0.0)
+    a = store.commit(image)
+    scenarios.sequential_write(image, 10 * BLOCK, 3 * BLOCK, 1)
+    store.commit(image)
+    scenarios.punch_hole(image, 100 * BLOCK, 2 * BLOCK)
+    c = store.commit(image)
+    ranges = store.diff(a.id, c.id)
+    assert [(int(o), int(n)) for o, n in zip(ranges.offset, ranges.length)] == [
+        (10 * BLOCK, 3 * BLOCK), (100 * BLOCK, 2 * BLOCK)]
+    assert list(ranges.kind) == [0, 1]
+    assert len(store.diff(c.id, c.id)) == 0
+
+
+@pytest.mark.parametrize("case", [
+    # (created, expires) of five snapshots at now=1000; policy; expected removed
+    ("keep_last", [(100, None), (200, None), (300, None), (400, 500), (900, None)],
+     {"keep_last": 2}, {0, 1, 3}),
+    ("keep_within", [(100, None), (850, None), (950, None), (990, 995), (999, None)],
+     {"keep_within": 200}, {0, 3}),
+    ("both", [(100, None), (200, None), (300, None), (850, None), (999, None)],
+     {"keep_last": 1, "keep_within": 200}, {0, 1, 2}),
+    ("ttl only", [(100, 2000), (200, 999), (300, None), (400, 1000), (500, None)],
+     {}, {1, 3}),
+])
+def test_retention_policy_is_a_pure_function(case):
+    from types import SimpleNamespace
+
+    from blockdiff.retention import Policy, apply_policy
+
+    _, rows, policy, expected = case
+    snaps = [SimpleNamespace(id=str(i), created=c, expires=e) for i, (c, e) in enumerate(rows)]
+    keep, remove, reasons = apply_policy(snaps, Policy(**policy), now=1000)
+    assert {int(s.id) for s in remove} == expected
+    assert {s.id for s in keep} | {s.id for s in remove} == {s.id for s in snaps}
+    assert set(reasons) == {s.id for s in snaps}

@@ -1,0 +1,50 @@
+"""Which snapshots a garbage collection keeps: a pure function of the catalog.
+
+Kept snapshots stay restorable whatever is removed around them (every
+snapshot's piece table is complete), so the policy only decides, it never
+has to protect ancestors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What to keep. Expired snapshots (past their TTL) always go."""
+
+    keep_last: int | None = None       # the N newest snapshots
+    keep_within: float | None = None   # snapshots younger than this many seconds
+
+
+def apply_policy(snapshots, policy: Policy, now: float):
+    """Split snapshots into ``(keep, remove, reasons)``.
+
+    ``snapshots`` are objects with ``id``, ``created`` and ``expires``;
+    ``reasons`` maps each id to why it is kept or removed. With neither
+    ``keep_last`` nor ``keep_within`` set, everything unexpired is kept.
+    """
+    newest_first = sorted(snapshots, key=lambda s: (s.created, s.id), reverse=True)
+    keep, remove, reasons = [], [], {}
+    selective = policy.keep_last is not None or policy.keep_within is not None
+    rank = 0  # among unexpired snapshots: an expired one never takes a "last N" place
+    for snap in newest_first:
+        if snap.expires is not None and snap.expires <= now:
+            remove.append(snap)
+            reasons[snap.id] = "expired"
+            continue
+        if not selective:
+            keep.append(snap)
+            reasons[snap.id] = "no policy"
+        elif policy.keep_last is not None and rank < policy.keep_last:
+            keep.append(snap)
+            reasons[snap.id] = f"among the last {policy.keep_last}"
+        elif policy.keep_within is not None and now - snap.created <= policy.keep_within:
+            keep.append(snap)
+            reasons[snap.id] = "within the keep window"
+        else:
+            remove.append(snap)
+            reasons[snap.id] = "outside the policy"
+        rank += 1
+    return keep, remove, reasons
