@@ -13,7 +13,6 @@ import time
 
 import pytest
 
-from blockdiff.retention import Policy
 from blockdiff.store import Store
 from scenarios import make_base_image
 
