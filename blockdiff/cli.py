@@ -425,3 +425,43 @@ def diff_command(store_path, a, b, as_json):
     for e in entries:
         click.echo(f"offset={e['offset']:#x} length={e['length']:#x} {e['kind']}")
     click.echo(f"{len(entries)} ranges, {human_size(total)} differ")
+
+
+@main.command()
+@store_option
+@click.argument("snapshot_id", metavar="ID")
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--since", metavar="ANCESTOR",
+              help="Export only what changed since this ancestor (the other host has it).")
+@reports_errors
+def export(store_path, snapshot_id, out, since):
+    """Write one portable file from which another store recreates ID.
+
+    The file is a BDIFFv2 diff (of the whole image, or against ANCESTOR) with
+    the snapshot's record at its end.
+
+    \b
+    Example:
+      blockdiff export --store S 3f2a9c0d1e2b4a5c step7.bdx --since 77e0a1b2c3d4e5f6
+    """
+    from blockdiff.view import human_size
+
+    with _open_store(store_path) as store:
+        result = store.export(snapshot_id, out, since)
+    click.echo(f"{out}: {snapshot_id}, {result.ranges} ranges, {human_size(result.data_bytes)}")
+
+
+@main.command(name="import")
+@store_option
+@click.argument("path", metavar="FILE", type=click.Path(dir_okay=False))
+@reports_errors
+def import_command(store_path, path):
+    """Recreate the snapshot an export FILE holds; print its id.
+
+    \b
+    Example:
+      blockdiff import --store S step7.bdx
+    """
+    with _open_store(store_path) as store:
+        for snapshot_id in store.import_(path):
+            click.echo(snapshot_id)

@@ -21,6 +21,7 @@ import hashlib
 import io
 import json
 import os
+import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ import numpy as np
 from blockdiff import engine, native
 from blockdiff import format as fmt
 from blockdiff.catalog import Catalog, Snapshot
-from blockdiff.errors import BlockdiffError, Unsupported, UsageError
+from blockdiff.errors import BlockdiffError, InvalidDiff, Unsupported, UsageError
 from blockdiff.extents import (
     DATA,
     ZERO,
@@ -43,6 +44,7 @@ from blockdiff.extents import (
 
 BLOCK = 4096
 LINEAGE_XATTR = "user.blockdiff.lineage"
+EXPORT_MAGIC = b"BDEXPRT1"
 STORE_ENV = "BLOCKDIFF_STORE"
 
 
@@ -275,10 +277,11 @@ class Store:
 
     def commit(self, image: str | os.PathLike, *, parent: str | None = None, message: str = "",
                meta: dict | None = None, ttl: float | None = None,
-               skip_unchanged: bool = False) -> Snapshot:
+               skip_unchanged: bool = False, _imported: Snapshot | None = None) -> Snapshot:
         """Snapshot an image; returns the new snapshot (or its parent, when
         ``skip_unchanged`` and nothing changed). The image must not be written
-        meanwhile (pause the VM)."""
+        meanwhile (pause the VM). ``_imported`` keeps another store's id,
+        time, message and metadata (used by ``import_``)."""
         image = os.fspath(image)
         with self._locked(image, os.O_RDONLY) as fd:
             known, state = self.lineage(image)
@@ -302,7 +305,7 @@ class Store:
                     and emap.size == parent_snap.size):
                 return parent_snap
 
-            snap_id = _new_id()
+            snap_id = _imported.id if _imported else _new_id()
             data_pos = fmt.layout_data(changes, version=2)
             is_data = changes.kind == DATA
             layer_tmp = self.staging / f"{snap_id}.{os.getpid()}.layer"
@@ -328,6 +331,9 @@ class Store:
                                 emap.size, changes.bytes_of(DATA) + changes.bytes_of(ZERO),
                                 len(changes), None if ttl is None else time.time() + ttl,
                                 hashlib.sha256(raw).hexdigest())
+                if _imported:
+                    snap.created, snap.message = _imported.created, _imported.message
+                    snap.meta, snap.expires = _imported.meta, _imported.expires
                 with self.catalog.transaction() as db:
                     snap.seq = self.catalog.add(db, snap, np.unique(pieces.layer))
             except BaseException:
@@ -387,6 +393,88 @@ class Store:
             self._set_lineage(fd, snap.id, "clean")
         return RestoreResult(snap.id, image, len(differ),
                              int(differ.length.sum()), forked=False)
+
+    @contextlib.contextmanager
+    def _materialized(self, snap: Snapshot | None):
+        """A temporary full image of a snapshot in the staging area (None: no file)."""
+        if snap is None:
+            yield None
+            return
+        path = self.staging / f"{snap.id}.{os.getpid()}.{os.urandom(4).hex()}.img"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                native.truncate(fd, snap.size, path)
+                self._fill(fd, str(path), self.load_map(snap).pieces)
+            finally:
+                os.close(fd)
+            yield path
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    def export(self, snapshot_id: str, out: str | os.PathLike,
+               since: str | None = None) -> engine.CreateResult:
+        """Write one portable file from which another store recreates a snapshot:
+        on its own, or on top of ``since``, an ancestor the other store has."""
+        snap = self.get(snapshot_id)
+        base = None
+        if since is not None:
+            base = self.get(since)
+            if since not in {s.id for s in self.catalog.ancestry(snapshot_id)}:
+                raise UsageError(f"{since} is not an ancestor of {snapshot_id}; "
+                                 f"see: blockdiff log --store {self.root} {snapshot_id}")
+        record = {"format": "blockdiff-export", "version": 1, "store": self.id,
+                  "base": since, "snapshot": {"id": snap.id, "created": snap.created,
+                                              "message": snap.message, "meta": snap.meta,
+                                              "expires": snap.expires}}
+        trailer = json.dumps(record, sort_keys=True).encode()
+        trailer += struct.pack("<Q", len(trailer)) + EXPORT_MAGIC
+        out = os.fspath(out)
+        # The diff is written to a temporary name beside OUT and renamed only
+        # once the record is on it: OUT is a whole export or nothing.
+        temp = os.path.join(os.path.dirname(os.path.abspath(out)),
+                            f".{os.path.basename(out)}.{os.urandom(6).hex()}.partial")
+        with self._materialized(snap) as target, self._materialized(base) as base_path:
+            try:
+                result = engine.create_diff(temp, target, base_path,
+                                            target_id=bytes.fromhex(snap.id) + bytes(8))
+                with open(temp, "ab") as f:
+                    f.write(trailer)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.rename(temp, out)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(temp)
+                raise
+        return result
+
+    def import_(self, path: str | os.PathLike) -> list[str]:
+        """Recreate the snapshot an export file holds; returns its id."""
+        path = os.fspath(path)
+        record = read_export_record(path)
+        info = record["snapshot"]
+        if self.catalog.get(info["id"]) is not None:
+            return [info["id"]]       # already here: importing twice changes nothing
+        base = None
+        if record["base"] is not None:
+            base = self.catalog.get(record["base"])
+            if base is None:
+                raise StoreError(f"{path} builds on snapshot {record['base']}, which this "
+                                 f"store does not have; import that first")
+        imported = Snapshot(0, info["id"], None, info["created"], info["message"],
+                            info["meta"], expires=info["expires"])
+        target = self.staging / f"{info['id']}.{os.getpid()}.import.img"
+        with self._materialized(base) as base_path:
+            try:
+                engine.apply_diff(path, target, base_path)
+                snap = self.commit(target, parent=None if base is None else base.id,
+                                   _imported=imported)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    target.unlink()
+        return [snap.id]
 
     def rm(self, snapshot_id: str) -> Removal:
         """Delete one snapshot; its descendants stay restorable byte for byte."""
@@ -494,6 +582,30 @@ class Store:
         """The ranges where snapshot ``b`` differs from snapshot ``a``."""
         map_a, map_b = self.load_map(self.get(a)), self.load_map(self.get(b))
         return changed_ranges(map_b.extents, map_a.extents, BLOCK)
+
+
+def read_export_record(path: str) -> dict:
+    """The record at the end of an export file, checked for shape."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        end = f.tell()
+        if end < 16:
+            raise InvalidDiff(f"{path} is not a blockdiff export (too short)")
+        f.seek(end - 16)
+        length, magic = struct.unpack("<Q8s", f.read(16))
+        if magic != EXPORT_MAGIC or length > end - 16:
+            raise InvalidDiff(f"{path} is not a blockdiff export; make one with: "
+                              f"blockdiff export --store S ID OUT")
+        f.seek(end - 16 - length)
+        try:
+            record = json.loads(f.read(length))
+            well_formed = (record.get("format") == "blockdiff-export"
+                           and isinstance(record["snapshot"]["id"], str) and "base" in record)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            well_formed = False
+    if not well_formed:
+        raise InvalidDiff(f"{path} has a damaged export record; export it again")
+    return record
 
 
 def open_store(path: str | os.PathLike | None) -> Store:

@@ -459,3 +459,63 @@ def test_retention_policy_is_a_pure_function(case):
     assert {int(s.id) for s in remove} == expected
     assert {s.id for s in keep} | {s.id for s in remove} == {s.id for s in snaps}
     assert set(reasons) == {s.id for s in snaps}
+
+
+# ------------------------------------------------------------ export/import
+
+
+def test_export_import_across_filesystems(store, xfs, btrfs):
+    image, snaps, digests = _line(store, xfs, 4, blocks=30)
+    full = xfs / "full.bdx"
+    store.export(snaps[1].id, full)
+    since = xfs / "since.bdx"
+    store.export(snaps[3].id, since, since=snaps[1].id)
+    assert os.path.getsize(since) < os.path.getsize(full)
+    other = Store.init(btrfs / "store")
+    for bundle in (full, since):
+        moved = btrfs / bundle.name
+        moved.write_bytes(bundle.read_bytes())   # another host: a plain byte copy
+    assert other.import_(btrfs / "full.bdx") == [snaps[1].id]
+    assert other.import_(btrfs / "since.bdx") == [snaps[3].id]
+    assert other.import_(btrfs / "since.bdx") == [snaps[3].id]   # twice: no change
+    assert other.get(snaps[3].id).parent == snaps[1].id
+    assert other.get(snaps[3].id).message == "step 3"
+    for i in (1, 3):
+        out = btrfs / f"r{i}.img"
+        other.restore(snaps[i].id, out)
+        assert digest(out) == digests[i]
+    assert other.verify() == {}
+    other.close()
+
+
+def test_import_needs_the_ancestor_and_a_sound_file(store, xfs):
+    image, snaps, _ = _line(store, xfs, 3)
+    store.export(snaps[2].id, xfs / "since.bdx", since=snaps[0].id)
+    other = Store.init(xfs / "other")
+    with pytest.raises(StoreError, match="import that first"):
+        other.import_(xfs / "since.bdx")
+    (xfs / "junk.bdx").write_bytes(b"nothing to see" * 10)
+    from blockdiff.errors import InvalidDiff
+
+    with pytest.raises(InvalidDiff, match="not a blockdiff export"):
+        other.import_(xfs / "junk.bdx")
+    store.export(snaps[1].id, xfs / "full.bdx")
+    data = bytearray((xfs / "full.bdx").read_bytes())
+    data[8192 + 50] ^= 0xFF                         # inside the data region
+    (xfs / "bad.bdx").write_bytes(bytes(data))
+    with pytest.raises(InvalidDiff):
+        other.import_(xfs / "bad.bdx")
+    assert other.log() == []
+    with pytest.raises(Exception, match="not an ancestor"):
+        store.export(snaps[0].id, xfs / "x.bdx", since=snaps[2].id)
+    assert not (xfs / "x.bdx").exists()
+    other.close()
+
+
+def test_export_is_a_plain_v2_diff(store, xfs):
+    from blockdiff import engine
+
+    image, snaps, digests = _line(store, xfs, 2)
+    store.export(snaps[1].id, xfs / "full.bdx")
+    engine.apply_diff(xfs / "full.bdx", xfs / "applied.img")
+    assert digest(xfs / "applied.img") == digests[1]
