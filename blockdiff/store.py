@@ -71,6 +71,8 @@ class SnapshotMap:
     own_pos: np.ndarray       # this layer's DATA ranges: where in its data file,
     own_length: np.ndarray    # how long,
     own_crc: np.ndarray       # and their CRC32C
+    own_layer: int = 0        # the layer those ranges are in (the snapshot's own, or
+                              # the one compaction wrote)
 
 
 @dataclass
@@ -99,7 +101,8 @@ def _encode_map(m: SnapshotMap) -> bytes:
              p_length=m.pieces.length, p_layer=m.pieces.layer, p_pos=m.pieces.pos,
              e_logical=m.extents.logical, e_physical=m.extents.physical,
              e_length=m.extents.length, e_flags=m.extents.flags, e_size=np.uint64(m.extents.size),
-             own_pos=m.own_pos, own_length=m.own_length, own_crc=m.own_crc)
+             own_pos=m.own_pos, own_length=m.own_length, own_crc=m.own_crc,
+             own_layer=np.int64(m.own_layer))
     return buf.getvalue()
 
 
@@ -108,7 +111,8 @@ def _decode_map(raw: bytes) -> SnapshotMap:
     pieces = PieceTable(z["p_offset"], z["p_length"], z["p_layer"], z["p_pos"], int(z["size"]))
     extents = ExtentMap(z["e_logical"], z["e_physical"], z["e_length"], z["e_flags"],
                         int(z["e_size"]))
-    return SnapshotMap(pieces, extents, z["own_pos"], z["own_length"], z["own_crc"])
+    return SnapshotMap(pieces, extents, z["own_pos"], z["own_length"], z["own_crc"],
+                       int(z["own_layer"]))
 
 
 def _write_readonly(path: Path, data: bytes) -> None:
@@ -225,9 +229,14 @@ class Store:
                                   f"list them with: blockdiff log --store {self.root}")
         return snap
 
+    def map_path(self, snap: Snapshot) -> Path:
+        """Where a snapshot's map is: named by its digest, so a rewritten map
+        (compaction) never replaces the old one under the same name."""
+        return self.objects / f"{snap.id}.{snap.map_sha256[:16]}.map"
+
     def load_map(self, snap: Snapshot) -> SnapshotMap:
         """A snapshot's map, checked against the digest the catalog recorded."""
-        raw = (self.objects / f"{snap.id}.map").read_bytes()
+        raw = self.map_path(snap).read_bytes()
         if hashlib.sha256(raw).hexdigest() != snap.map_sha256:
             raise StoreError(f"the map of snapshot {snap.id} is damaged; "
                              f"run: blockdiff verify --store {self.root}")
@@ -322,15 +331,17 @@ class Store:
                 pieces = overlay(None if parent_map is None else parent_map.pieces, changes,
                                  data_pos, _layer_number(snap_id), emap.size)
                 raw = _encode_map(SnapshotMap(pieces, emap, data_pos[is_data],
-                                              changes.length[is_data], crcs))
+                                              changes.length[is_data], crcs,
+                                              _layer_number(snap_id)))
                 _write_readonly(map_tmp, raw)
+                digest = hashlib.sha256(raw).hexdigest()
                 os.rename(layer_tmp, self.objects / f"{snap_id}.layer")
-                os.rename(map_tmp, self.objects / f"{snap_id}.map")
+                os.rename(map_tmp, self.objects / f"{snap_id}.{digest[:16]}.map")
                 _fsync_dir(self.objects)
                 snap = Snapshot(0, snap_id, parent, time.time(), message, meta or {},
                                 emap.size, changes.bytes_of(DATA) + changes.bytes_of(ZERO),
                                 len(changes), None if ttl is None else time.time() + ttl,
-                                hashlib.sha256(raw).hexdigest())
+                                digest)
                 if _imported:
                     snap.created, snap.message = _imported.created, _imported.message
                     snap.meta, snap.expires = _imported.meta, _imported.expires
@@ -487,7 +498,7 @@ class Store:
                 unused = self.catalog.remove(db, snap)
             # Files go after the catalog commit: a crash in between leaves
             # only unreferenced files, which gc sweeps.
-            freed += _unlink(self.objects / f"{snap.id}.map")
+            freed += _unlink(self.map_path(snap))
             for layer in set(unused) | {_layer_number(snap.id)}:
                 if layer not in self.catalog.layers_in_use():
                     freed += _unlink(self.objects / f"{layer:016x}.layer")
@@ -508,18 +519,12 @@ class Store:
         return result
 
     def _sweep(self) -> int:
-        live = {s.id for s in self.catalog.all()}
-        layers = self.catalog.layers_in_use()
+        maps = {self.map_path(s).name for s in self.catalog.all()}
+        layers = {f"{layer:016x}.layer" for layer in self.catalog.layers_in_use()}
         freed = 0
         for path in self.objects.iterdir():
-            name, _, kind = path.name.partition(".")
-            try:
-                number = int(name, 16)
-            except ValueError:
-                continue
-            if name in live or (kind == "layer" and number in layers):
-                continue
-            freed += _unlink(path)
+            if path.name not in maps and path.name not in layers:
+                freed += _unlink(path)
         for path in self.staging.iterdir():
             pid = path.name.split(".")[1] if path.name.count(".") >= 2 else ""
             if pid.isdigit() and not _process_alive(int(pid)):
@@ -541,7 +546,7 @@ class Store:
         checked_layers: dict[int, list[str]] = {}
         for snap in snaps:
             found: list[str] = []
-            path = self.objects / f"{snap.id}.map"
+            path = self.map_path(snap)
             try:
                 smap = self.load_map(snap)
             except (OSError, StoreError, ValueError) as e:
@@ -553,7 +558,7 @@ class Store:
                 found += checked_layers[int(layer)]
             if os.stat(path).st_mode & 0o222:
                 found.append(f"{path.name} is writable")
-            own = self.objects / f"{snap.id}.layer"
+            own = self.objects / f"{smap.own_layer:016x}.layer"
             if own.exists():
                 found += self._check_own_ranges(own, smap)
             if found:

@@ -165,8 +165,8 @@ def test_snapshot_files_are_read_only(store, xfs):
     image = xfs / "disk.img"
     make_base_image(image, SIZE, 10)
     snap = store.commit(image)
-    for suffix in ("layer", "map"):
-        mode = os.stat(store.objects / f"{snap.id}.{suffix}").st_mode
+    for path in (store.objects / f"{snap.id}.layer", store.map_path(snap)):
+        mode = os.stat(path).st_mode
         assert not mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)
 
 
@@ -174,7 +174,7 @@ def test_tampered_map_is_detected(store, xfs):
     image = xfs / "disk.img"
     make_base_image(image, SIZE, 11)
     snap = store.commit(image)
-    path = store.objects / f"{snap.id}.map"
+    path = store.map_path(snap)
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF
     os.chmod(path, 0o644)
@@ -344,7 +344,7 @@ def test_rm_keeps_descendants_restorable(store, xfs):
     for victim in (snaps[0], snaps[3], snaps[1]):
         result = store.rm(victim.id)
         assert result.removed == [victim.id]
-    assert not (store.objects / f"{snaps[3].id}.map").exists()
+    assert not store.map_path(snaps[3]).exists()
     live = [2, 4, 5]
     assert [s.id for s in store.log(snaps[5].id)] == [snaps[i].id for i in (5, 4, 2)]
     for i in live:
@@ -417,7 +417,8 @@ def test_verify_cli_exit_code(xfs):
     make_base_image(image, SIZE, 60)
     snap = run("commit", image).stdout.split()[-1]
     assert run("verify").returncode == 0
-    os.chmod(xfs / "store" / "objects" / f"{snap}.map", 0o644)
+    (map_file,) = (xfs / "store" / "objects").glob(f"{snap}.*.map")
+    os.chmod(map_file, 0o644)
     bad = run("verify")
     assert bad.returncode == 7 and snap in bad.stderr
 
