@@ -167,6 +167,18 @@ class Catalog:
         return [layer for layer in used if db.execute(
             "SELECT 1 FROM layer_refs WHERE layer = ? LIMIT 1", (layer,)).fetchone() is None]
 
+    def replace_map(self, db, snapshot: Snapshot, digest: str, layers) -> list[int]:
+        """Point a snapshot at a rewritten map that uses ``layers``, inside an
+        open transaction. Returns the layers no snapshot uses any more."""
+        before = [layer for (layer,) in db.execute(
+            "SELECT layer FROM layer_refs WHERE snapshot = ?", (snapshot.seq,))]
+        db.execute("UPDATE snapshots SET map_sha256 = ? WHERE seq = ?", (digest, snapshot.seq))
+        db.execute("DELETE FROM layer_refs WHERE snapshot = ?", (snapshot.seq,))
+        db.executemany("INSERT INTO layer_refs VALUES (?, ?)",
+                       [(snapshot.seq, int(layer)) for layer in layers])
+        return [layer for layer in before if db.execute(
+            "SELECT 1 FROM layer_refs WHERE layer = ? LIMIT 1", (layer,)).fetchone() is None]
+
     def layers_in_use(self) -> set[int]:
         """Every layer some snapshot's pieces use."""
         return {layer for (layer,) in self.db.execute("SELECT DISTINCT layer FROM layer_refs")}

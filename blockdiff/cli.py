@@ -465,3 +465,25 @@ def import_command(store_path, path):
     with _open_store(store_path) as store:
         for snapshot_id in store.import_(path):
             click.echo(snapshot_id)
+
+
+@main.command()
+@store_option
+@click.argument("snapshot_id", metavar="ID")
+@reports_errors
+def compact(store_path, snapshot_id):
+    """Rewrite snapshot ID's data into one contiguous layer.
+
+    For a snapshot forked from often whose data is scattered over many
+    layers: forks of it then take a few clones instead of one per fragment.
+    Restore images from it again afterwards (see docs/store.md).
+
+    \b
+    Example:
+      blockdiff compact --store S 3f2a9c0d1e2b4a5c
+    """
+    with _open_store(store_path) as store:
+        before = len(store.load_map(store.get(snapshot_id)).pieces)
+        snap = store.compact(snapshot_id)
+        after = len(store.load_map(snap).pieces)
+    click.echo(f"{snapshot_id}: {before} pieces -> {after}")

@@ -302,7 +302,7 @@ class PieceTable:
         return len(self.offset)
 
 
-def _coalesce(start, length, layer, pos):
+def coalesce(start, length, layer, pos):
     """Merge pieces that continue each other in the image and in one layer."""
     if len(start) < 2:
         return start, length, layer, pos
@@ -343,7 +343,7 @@ def overlay(parent: PieceTable | None, changes: RangeSet, data_pos: np.ndarray,
     piece_layer = np.where(from_change, np.int64(layer), parent_layer)[keep]
     piece_pos = np.where(from_change, change_pos, parent_pos)[keep]
     start = seg_start[keep]
-    return PieceTable(*_coalesce(start, seg_end[keep] - start, piece_layer, piece_pos), size=size)
+    return PieceTable(*coalesce(start, seg_end[keep] - start, piece_layer, piece_pos), size=size)
 
 
 def pieces_within(table: PieceTable, starts: np.ndarray, ends: np.ndarray):
@@ -361,6 +361,6 @@ def pieces_within(table: PieceTable, starts: np.ndarray, ends: np.ndarray):
     start = seg_start[take]
     layer = table.layer[ti[take]] if len(table) else np.zeros(0, np.int64)
     pos = (table.pos[ti[take]] + (start - table.offset[ti[take]])) if len(table) else start
-    pieces = PieceTable(*_coalesce(start, seg_end[take] - start, layer, pos), size=table.size)
+    pieces = PieceTable(*coalesce(start, seg_end[take] - start, layer, pos), size=table.size)
     first, last = _runs(inside & ~t_in)
     return pieces, (seg_start[first], seg_end[last - 1])

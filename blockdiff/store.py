@@ -38,6 +38,7 @@ from blockdiff.extents import (
     ExtentMap,
     PieceTable,
     changed_ranges,
+    coalesce,
     overlay,
     pieces_within,
 )
@@ -486,6 +487,68 @@ class Store:
                 with contextlib.suppress(FileNotFoundError):
                     target.unlink()
         return [snap.id]
+
+    def compact(self, snapshot_id: str) -> Snapshot:
+        """Rewrite a snapshot's data into one new, physically contiguous layer.
+
+        Its content and id stay the same; its piece table shrinks to one piece
+        per data extent, so forks of it take a few clones instead of one per
+        fragment. Images restored from it before compaction no longer share its
+        blocks: their next commit stores them whole, so restore them from the
+        snapshot again (see docs/store.md).
+        """
+        snap = self.get(snapshot_id)
+        smap = self.load_map(snap)
+        layer = int(_new_id(), 16)
+        layer_path = self.objects / f"{layer:016x}.layer"
+        staged = self.staging / f"{layer:016x}.{os.getpid()}.layer"
+        map_tmp = self.staging / f"{snap.id}.{os.getpid()}.compact.map"
+        new_map_path = None
+        try:
+            fd = os.open(staged, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
+            try:
+                # The layer is the image itself (position = offset), its data
+                # copied, not reflinked, so the filesystem lays it out afresh.
+                native.truncate(fd, snap.size, staged)
+                pieces = smap.pieces
+                for source in np.unique(pieces.layer):
+                    sel = pieces.layer == source
+                    with open(self.objects / f"{int(source):016x}.layer", "rb") as f:
+                        # Checksumming forces a copy through memory: copy_file_range
+                        # would reflink within one filesystem, which is not the point.
+                        native.transfer_ranges(f.fileno(), fd, pieces.pos[sel],
+                                               pieces.offset[sel], pieces.length[sel],
+                                               staged, reflink=False, checksums=True)
+                native.fsync(fd, staged)
+                compacted = PieceTable(*coalesce(pieces.offset, pieces.length,
+                                                 np.full(len(pieces), layer, np.int64),
+                                                 pieces.offset.copy()), size=snap.size)
+                crc, _ = native.transfer_ranges(fd, -1, compacted.pos, None, compacted.length,
+                                                staged, checksums=True)
+                extents = ExtentMap.of_file(fd, staged)
+            finally:
+                os.close(fd)
+            raw = _encode_map(SnapshotMap(compacted, extents, compacted.pos, compacted.length,
+                                          crc, layer))
+            digest = hashlib.sha256(raw).hexdigest()
+            _write_readonly(map_tmp, raw)
+            os.rename(staged, layer_path)
+            new_map_path = self.objects / f"{snap.id}.{digest[:16]}.map"
+            os.rename(map_tmp, new_map_path)
+            _fsync_dir(self.objects)
+            old_map = self.map_path(snap)
+            with self.catalog.transaction() as db:
+                unused = self.catalog.replace_map(db, snap, digest, [layer])
+        except BaseException:
+            for p in (staged, map_tmp, layer_path, new_map_path):
+                if p is not None:
+                    with contextlib.suppress(FileNotFoundError):
+                        p.unlink()
+            raise
+        _unlink(old_map)
+        for old in unused:
+            _unlink(self.objects / f"{old:016x}.layer")
+        return self.get(snapshot_id)
 
     def rm(self, snapshot_id: str) -> Removal:
         """Delete one snapshot; its descendants stay restorable byte for byte."""

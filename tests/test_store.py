@@ -520,3 +520,27 @@ def test_export_is_a_plain_v2_diff(store, xfs):
     store.export(snaps[1].id, xfs / "full.bdx")
     engine.apply_diff(xfs / "full.bdx", xfs / "applied.img")
     assert digest(xfs / "applied.img") == digests[1]
+
+
+def test_compact_keeps_content_and_shrinks_the_piece_table(store, xfs):
+    image, snaps, digests = _line(store, xfs, 12, blocks=40)
+    tip = snaps[-1]
+    before = len(store.load_map(tip).pieces)
+    store.compact(tip.id)
+    after = len(store.load_map(store.get(tip.id)).pieces)
+    # One piece per run of data: the image has holes, so not one piece in all.
+    assert after < before / 3
+    assert store.verify() == {}
+    for i in (0, 5, 11):
+        out = xfs / f"c{i}.img"
+        store.restore(snaps[i].id, out)
+        assert digest(out) == digests[i]
+    # An image restored from the compacted snapshot commits small again.
+    store.restore(tip.id, image)
+    write_blocks(image, 3, seed=99)
+    assert store.commit(image).changed_bytes <= 3 * BLOCK
+    # Removing everything but the compacted tip frees the old layers.
+    for snap in snaps[:-1]:
+        store.rm(snap.id)
+    layers = list(store.objects.glob("*.layer"))
+    assert len(layers) <= 2
