@@ -88,7 +88,13 @@ def test_quiet_prints_nothing(pair):
     assert run("create", "-q", directory / "q.bdiff", target, "--base", base).stdout == ""
 
 
-@pytest.mark.parametrize("command", ["create", "apply", "view"])
+def _commands():
+    from blockdiff.cli import main
+
+    return sorted(main.commands)
+
+
+@pytest.mark.parametrize("command", _commands())
 def test_every_command_has_help_with_an_example(command):
     text = run(command, "--help").stdout
     assert "Example" in text and len(text.splitlines()) > 5
