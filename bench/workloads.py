@@ -76,18 +76,8 @@ def _thaw_stale(tmp_dir: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         for work in sorted(Path(tmp_dir).iterdir()):
             m = pattern.match(work.name)
-            if m and not _alive(int(m.group(1))) and os.path.ismount(work / "mnt"):
+            if m and not scratch.process_alive(int(m.group(1))) and os.path.ismount(work / "mnt"):
                 thaw(work / "mnt")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _raise_exit(signum, frame):

@@ -213,14 +213,15 @@ def cleanup_stale_mounts(tmp_dir: str | os.PathLike | None = None) -> list[Path]
     cleaned = []
     for work in sorted(root.iterdir()):
         match = pattern.match(work.name)
-        if not match or _process_alive(int(match.group(1))):
+        if not match or process_alive(int(match.group(1))):
             continue
         _teardown(work)
         cleaned.append(work)
     return cleaned
 
 
-def _process_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (files named after it are in use)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

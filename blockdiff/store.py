@@ -42,6 +42,7 @@ from blockdiff.extents import (
     overlay,
     pieces_within,
 )
+from blockdiff.scratch import process_alive
 
 BLOCK = 4096
 LINEAGE_XATTR = "user.blockdiff.lineage"
@@ -131,16 +132,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 @dataclass
@@ -590,7 +581,7 @@ class Store:
                 freed += _unlink(path)
         for path in self.staging.iterdir():
             pid = path.name.split(".")[1] if path.name.count(".") >= 2 else ""
-            if pid.isdigit() and not _process_alive(int(pid)):
+            if pid.isdigit() and not process_alive(int(pid)):
                 freed += _unlink(path)
         return freed
 
