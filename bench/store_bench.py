@@ -365,7 +365,7 @@ def run_qcow2(b: Bench, base_raw: str, size: int, nsteps: int, seed: int) -> dic
 def human(n: float) -> str:
     for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
         if n >= scale:
-            return f"{n / scale:.2f} {unit}"
+            return f"{n / scale:.2f}".rstrip("0").rstrip(".") + f" {unit}"
     return f"{n:.0f} B"
 
 
@@ -410,13 +410,18 @@ def summarize(rows: dict[str, dict]) -> None:
     for key, r in rows.items():
         r["stats"] = stats(r["samples"])
         det = r.get("detail") or []
+        n = len(r["samples"])
+        trend = ""
+        if n >= 40:
+            first, last = np.median(r["samples"][:10]), np.median(r["samples"][-10:])
+            trend = f"; p50 of the first 10 {suite.fmt_s(first)}, last 10 {suite.fmt_s(last)}"
         if key == "commit":
-            r["note"] = f"median {int(np.median([d['ranges'] for d in det]))} ranges"
+            r["note"] = f"median {int(np.median([d['ranges'] for d in det]))} ranges{trend}"
         elif key.startswith("restore_"):
             r["note"] = (f"median {int(np.median([d['ranges'] for d in det]))} ranges, "
                          f"{human(float(np.median([d['bytes'] for d in det])))}")
         elif key == "qcow2_create":
-            r["note"] = "qemu-img process; writes (qemu-io) not timed"
+            r["note"] = f"qemu-img process; the writes (qemu-io) not timed{trend}"
 
 
 def main(argv=None) -> int:

@@ -369,7 +369,11 @@ class Store:
         image = os.fspath(image)
         snap = self.get(snapshot_id)
         smap = self.load_map(snap)
-        if not os.path.exists(image):
+        # Physical addresses compare only within one filesystem: an image
+        # elsewhere is rebuilt whole and renamed over, never patched.
+        elsewhere = (os.path.exists(image)
+                     and os.stat(image).st_dev != os.stat(self.objects).st_dev)
+        if not os.path.exists(image) or elsewhere:
             with engine.atomic_output(image) as (fd, temp):
                 native.truncate(fd, snap.size, temp)
                 self._fill(fd, temp, smap.pieces)

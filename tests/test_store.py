@@ -544,3 +544,13 @@ def test_compact_keeps_content_and_shrinks_the_piece_table(store, xfs):
         store.rm(snap.id)
     layers = list(store.objects.glob("*.layer"))
     assert len(layers) <= 2
+
+
+def test_restore_onto_another_filesystem_rebuilds_the_image(store, xfs, ext4):
+    image, snaps, digests = _line(store, xfs, 3, blocks=10)
+    elsewhere = ext4 / "disk.img"
+    for i in (2, 0, 1):
+        store.restore(snaps[i].id, elsewhere)
+        assert digest(elsewhere) == digests[i]
+    with pytest.raises(Unsupported, match="not on the store's filesystem"):
+        store.commit(elsewhere)
