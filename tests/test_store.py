@@ -554,3 +554,36 @@ def test_restore_onto_another_filesystem_rebuilds_the_image(store, xfs, ext4):
         assert digest(elsewhere) == digests[i]
     with pytest.raises(Unsupported, match="not on the store's filesystem"):
         store.commit(elsewhere)
+
+
+def test_full_disk_loses_nothing(fresh_filesystem):
+    root = fresh_filesystem("xfs", size=320 * 1024 * 1024)
+    store = Store.init(root / "store")
+    image = root / "disk.img"
+    make_base_image(image, 64 * 1024 * 1024, 80, sparse_fraction=0.0, zero_fraction=0.0)
+    first = store.commit(image)
+    expected = digest(image)
+    write_blocks(image, 200, seed=3)
+    # Fill the filesystem to the last block.
+    with open(root / "filler", "wb") as f:
+        chunk = b"\xff" * (1 << 20)
+        try:
+            while True:
+                f.write(chunk)
+                f.flush()
+        except OSError:
+            pass
+    env = dict(os.environ, BLOCKDIFF_STORE=str(root / "store"))
+    proc = subprocess.run([sys.executable, "-m", "blockdiff", "commit", str(image)],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 1, proc.stderr
+    assert "No space left on device" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert [s.id for s in store.log()] == [first.id]
+    assert list(store.staging.iterdir()) == []
+    assert store.verify() == {}
+    os.unlink(root / "filler")
+    out = root / "restored.img"
+    store.restore(first.id, out)
+    assert digest(out) == expected
+    store.close()
