@@ -212,8 +212,11 @@ def _duration(value: str | None) -> float | None:
 
 @main.command()
 @click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--allow-copy", is_flag=True,
+              help="On a filesystem without reflink, copy data instead (slow: every commit "
+                   "reads the image and its parent in full).")
 @reports_errors
-def init(directory):
+def init(directory, allow_copy):
     """Make a snapshot store in DIRECTORY (on XFS with reflink, or btrfs).
 
     \b
@@ -222,7 +225,7 @@ def init(directory):
     """
     from blockdiff.store import Store
 
-    Store.init(directory).close()
+    Store.init(directory, allow_copy=allow_copy).close()
     click.echo(f"initialised store {directory}")
 
 

@@ -41,6 +41,7 @@ from blockdiff.extents import (
     coalesce,
     overlay,
     pieces_within,
+    ranges_from_block_classes,
 )
 from blockdiff.scratch import process_alive
 
@@ -171,15 +172,22 @@ class Store:
         self.staging = self.root / "staging"
         self.catalog = Catalog(str(self.root / "catalog.sqlite"))
         self.id = self.catalog.setting("store_id")
+        # Without reflink the store copies data and compares contents.
+        self.copy_mode = self.catalog.setting("mode") == "copy"
 
     @classmethod
-    def init(cls, root: str | os.PathLike) -> "Store":
-        """Make a new, empty store in ``root`` (created if missing)."""
+    def init(cls, root: str | os.PathLike, *, allow_copy: bool = False) -> "Store":
+        """Make a new, empty store in ``root`` (created if missing).
+
+        On a filesystem without reflink it refuses unless ``allow_copy``: then
+        snapshots copy their data and commits compare contents, correct but
+        slow (every commit reads the image and its parent in full)."""
         root = Path(root)
         root.mkdir(parents=True, exist_ok=True)
         if (root / "catalog.sqlite").exists():
             raise StoreError(f"{root} is already a blockdiff store")
         probe = root / f".probe-{os.getpid()}"
+        mode = "reflink"
         try:
             with open(probe, "w+b") as a, open(str(probe) + ".clone", "wb") as b:
                 a.write(b"\0" * BLOCK)
@@ -188,8 +196,11 @@ class Store:
         except OSError as e:
             if e.errno not in (errno.EOPNOTSUPP, errno.EXDEV, errno.EINVAL, errno.ENOTTY):
                 raise
-            raise Unsupported(f"{root} is on a filesystem without reflink; make the store on "
-                              f"XFS (mkfs.xfs -m reflink=1) or btrfs") from None
+            if not allow_copy:
+                raise Unsupported(f"{root} is on a filesystem without reflink; make the store "
+                                  f"on XFS (mkfs.xfs -m reflink=1) or btrfs, or pass "
+                                  f"--allow-copy to copy data instead (slow)") from None
+            mode = "copy"
         finally:
             for p in (probe, Path(str(probe) + ".clone")):
                 with contextlib.suppress(FileNotFoundError):
@@ -198,6 +209,7 @@ class Store:
         (root / "staging").mkdir(exist_ok=True)
         catalog = Catalog(str(root / "catalog.sqlite"))
         catalog.set_setting("store_id", os.urandom(8).hex())
+        catalog.set_setting("mode", mode)
         catalog.close()
         _fsync_dir(root)
         return cls(root)
@@ -295,13 +307,20 @@ class Store:
             parent_map = None if parent_snap is None else self.load_map(parent_snap)
 
             native.fsync(fd, image)
-            emap = ExtentMap.of_file(fd, image)
-            emap.check_supported(image)
-            if native.fs_info(fd, image)[2] != os.stat(self.objects).st_dev:
-                raise Unsupported(f"{image} is not on the store's filesystem; keep images "
-                                  f"beside the store ({self.root}) so snapshots are reflinks")
-            changes = changed_ranges(emap, None if parent_map is None else parent_map.extents,
-                                     BLOCK)
+            if self.copy_mode:
+                size = os.fstat(fd).st_size
+                emap = ExtentMap.from_arrays([], [], [], [], size)
+                with self._materialized(parent_snap) as parent_copy:
+                    changes = self._compare_contents(fd, image, parent_copy)
+            else:
+                emap = ExtentMap.of_file(fd, image)
+                emap.check_supported(image)
+                if native.fs_info(fd, image)[2] != os.stat(self.objects).st_dev:
+                    raise Unsupported(f"{image} is not on the store's filesystem; keep images "
+                                      f"beside the store ({self.root}) so snapshots are "
+                                      f"reflinks")
+                changes = changed_ranges(
+                    emap, None if parent_map is None else parent_map.extents, BLOCK)
             if (skip_unchanged and parent_snap is not None and len(changes) == 0
                     and emap.size == parent_snap.size):
                 return parent_snap
@@ -369,10 +388,11 @@ class Store:
         image = os.fspath(image)
         snap = self.get(snapshot_id)
         smap = self.load_map(snap)
-        # Physical addresses compare only within one filesystem: an image
-        # elsewhere is rebuilt whole and renamed over, never patched.
-        elsewhere = (os.path.exists(image)
-                     and os.stat(image).st_dev != os.stat(self.objects).st_dev)
+        # Physical addresses compare only within one filesystem (and mean
+        # nothing without reflink): such an image is rebuilt whole and renamed
+        # over, never patched.
+        elsewhere = os.path.exists(image) and (
+            self.copy_mode or os.stat(image).st_dev != os.stat(self.objects).st_dev)
         if not os.path.exists(image) or elsewhere:
             with engine.atomic_output(image) as (fd, temp):
                 native.truncate(fd, snap.size, temp)
@@ -643,8 +663,25 @@ class Store:
 
     def diff(self, a: str, b: str):
         """The ranges where snapshot ``b`` differs from snapshot ``a``."""
-        map_a, map_b = self.load_map(self.get(a)), self.load_map(self.get(b))
+        snap_a, snap_b = self.get(a), self.get(b)
+        if self.copy_mode:
+            with self._materialized(snap_b) as path_b, self._materialized(snap_a) as path_a:
+                with open(path_b, "rb") as f:
+                    return self._compare_contents(f.fileno(), str(path_b), path_a)
+        map_a, map_b = self.load_map(snap_a), self.load_map(snap_b)
         return changed_ranges(map_b.extents, map_a.extents, BLOCK)
+
+    def _compare_contents(self, fd: int, path: str, base: Path | None):
+        """Ranges where an open file differs from ``base`` (None: from nothing),
+        found by reading both."""
+        size = os.fstat(fd).st_size
+        if base is None:
+            classes = native.compare_blocks(fd, size, -1, 0, BLOCK, path)
+        else:
+            with open(base, "rb") as b:
+                classes = native.compare_blocks(fd, size, b.fileno(), os.fstat(b.fileno()).st_size,
+                                                BLOCK, path)
+        return ranges_from_block_classes(classes, BLOCK, size)
 
 
 def read_export_record(path: str) -> dict:

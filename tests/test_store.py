@@ -587,3 +587,27 @@ def test_full_disk_loses_nothing(fresh_filesystem):
     store.restore(first.id, out)
     assert digest(out) == expected
     store.close()
+
+
+@pytest.mark.parametrize("kind", ["ext4", "tmpfs"])
+def test_copy_mode_store_without_reflink(kind, ext4, tmpfs):
+    root = {"ext4": ext4, "tmpfs": tmpfs}[kind]
+    store = Store.init(root / "store", allow_copy=True)
+    image = root / "disk.img"
+    make_base_image(image, SIZE, 90)
+    snaps, digests = [store.commit(image)], [digest(image)]
+    for step, op in enumerate(["random_4k_writes", "punched_holes", "grow", "shrink_unaligned"]):
+        live = root / "live.img"
+        SCENARIOS[op](image, live, step)
+        os.replace(live, image)
+        snaps.append(store.commit(image, parent=snaps[-1].id))
+        digests.append(digest(image))
+    assert snaps[1].changed_bytes < SIZE // 4          # contents compared, not copied whole
+    for i in (3, 0, 4, 1):
+        store.restore(snaps[i].id, image)
+        assert digest(image) == digests[i]
+        store.restore(snaps[i].id, root / f"fork{i}.img")
+        assert digest(root / f"fork{i}.img") == digests[i]
+    assert len(store.diff(snaps[0].id, snaps[1].id)) > 0
+    assert store.verify() == {}
+    store.close()
