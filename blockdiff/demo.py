@@ -1,10 +1,11 @@
-"""The main job, end to end, on an embedded default: snapshot a VM disk image
-after every agent step, then restore a step, fork two branches from another,
-and move the whole chain to a second filesystem as a new host would.
+"""The main job, end to end, on an embedded default: commit a VM disk image to
+a snapshot store after every agent step, then restore a step in place, fork
+two branches from another, and carry snapshots to a second store on another
+filesystem as a new host would.
 
 Runs on a scratch XFS made on a loop device (or in a directory you give on a
-reflink filesystem). Every snapshot, restore and fork is checked byte for byte
-against a SHA-256 taken of the live disk at that step. Progress is reported
+reflink filesystem). Every restore and fork is checked byte for byte against a
+SHA-256 taken of the live disk when it was committed. Progress is reported
 through a callback; this module never prints.
 """
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from blockdiff import engine, native, scratch
+from blockdiff import native, scratch
 
 MiB = 1 << 20
 BLOCK = 4096
@@ -41,11 +42,6 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(8 * MiB):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _clone(src: Path, dst: Path) -> None:
-    with open(src, "rb") as s, open(dst, "wb") as d:
-        native.clone_file(d.fileno(), s.fileno(), dst)
 
 
 def _random_data(rng: random.Random, n: int) -> bytes:
@@ -108,11 +104,19 @@ def run(workdir: str | os.PathLike | None = None, *, size: int = 512 * MiB, step
     Without ``workdir`` it makes a scratch XFS on a loop device (needs root).
     Raises ``AssertionError`` if any restore differs from what was snapshotted.
     """
+    from blockdiff.store import Store
+    from blockdiff.view import render_tree
+
     events: list[Event] = []
 
     def emit(what: str, seconds: float = 0.0, detail: str = "") -> None:
         events.append(Event(what, seconds, detail))
         report(events[-1])
+
+    def timed(fn):
+        start = time.perf_counter()
+        result = fn()
+        return result, time.perf_counter() - start
 
     with contextlib.ExitStack() as stack:
         if workdir is None:
@@ -122,80 +126,78 @@ def run(workdir: str | os.PathLike | None = None, *, size: int = 512 * MiB, step
         else:
             root = Path(workdir)
         rng = random.Random(seed)
-        disk, snaps = root / "disk.img", root / "snapshots"
-        snaps.mkdir()
+        store = stack.enter_context(Store.init(root / "store"))
+        disk = root / "disk.img"
         _make_disk(disk, size, rng)
-        t = time.perf_counter()
-        _clone(disk, snaps / "step0.img")
-        emit("step 0: boot image snapshotted", time.perf_counter() - t, f"{size // MiB} MiB disk")
-        digests = {0: _sha256(disk)}
+        snap, seconds = timed(lambda: store.commit(disk, message="boot"))
+        emit(f"step 0: commit of the freshly installed {size // MiB} MiB disk", seconds)
+        snaps, digests = [snap], {snap.id: _sha256(disk)}
 
         for step in range(1, steps + 1):
             with open(disk, "r+b") as f:
                 what = STEPS[(step - 1) % len(STEPS)](f.fileno(), os.fstat(f.fileno()).st_size, rng)
                 os.fsync(f.fileno())
-            digests[step] = _sha256(disk)
-            t = time.perf_counter()
-            created = engine.create_diff(snaps / f"step{step}.bdiff", disk,
-                                         snaps / f"step{step - 1}.img")
-            t_create = time.perf_counter() - t
-            t = time.perf_counter()
-            engine.apply_diff(snaps / f"step{step}.bdiff", snaps / f"step{step}.img",
-                              snaps / f"step{step - 1}.img")
-            t_apply = time.perf_counter() - t
-            assert _sha256(snaps / f"step{step}.img") == digests[step], f"step {step} differs"
-            emit(f"step {step}: {what}", t_create + t_apply,
-                 f"diff {created.ranges} ranges, {created.data_bytes // 1024} KiB data, "
-                 f"{created.zero_bytes // 1024} KiB zeros; create {t_create * 1000:.0f} ms, "
-                 f"snapshot {t_apply * 1000:.0f} ms")
+            snap, seconds = timed(lambda: store.commit(disk, message=what))
+            digests[snap.id] = _sha256(disk)
+            snaps.append(snap)
+            emit(f"step {step}: {what}", seconds,
+                 f"commit {snap.id}: {snap.ranges} ranges, {snap.changed_bytes // 1024} KiB")
 
-        # Time travel: put the live disk back to an earlier step.
-        back = max(1, steps // 2)
-        t = time.perf_counter()
-        _clone(snaps / f"step{back}.img", disk)
-        emit(f"restore step {back} into the live disk", time.perf_counter() - t)
-        assert _sha256(disk) == digests[back], "restore differs"
+        # Time travel: put the live disk back to an earlier step, in place.
+        back = snaps[max(1, steps // 2)]
+        result, seconds = timed(lambda: store.restore(back.id, disk))
+        assert _sha256(disk) == digests[back.id], "restore differs"
+        emit(f"restore {back.id} ({back.message}) into the live disk", seconds,
+             f"{result.ranges} ranges rewritten; verified byte for byte")
 
-        # Fork: two branches from one step, each snapshotted independently.
-        fork_from = max(1, steps // 3)
+        # Fork: branches from one step, each changing and committing on its own.
+        base = snaps[max(1, steps // 3)]
         for branch in ("a", "b"):
             live = root / f"fork-{branch}.img"
-            t = time.perf_counter()
-            _clone(snaps / f"step{fork_from}.img", live)
-            t_fork = time.perf_counter() - t
+            result, seconds = timed(lambda: store.restore(base.id, live))
             with open(live, "r+b") as f:
                 what = _edit_files(f.fileno(), os.fstat(f.fileno()).st_size, rng)
                 os.fsync(f.fileno())
             expected = _sha256(live)
-            diff = snaps / f"fork-{branch}.bdiff"
-            engine.create_diff(diff, live, snaps / f"step{fork_from}.img")
-            engine.apply_diff(diff, snaps / f"fork-{branch}.img", snaps / f"step{fork_from}.img")
-            assert _sha256(snaps / f"fork-{branch}.img") == expected, f"fork {branch} differs"
-            emit(f"fork {branch} from step {fork_from}", t_fork, f"then {what}; snapshot verified")
+            tip = store.commit(live, message=f"branch {branch}: {what}")
+            digests[tip.id] = expected
+            check = root / f"check-{branch}.img"
+            store.restore(tip.id, check)
+            assert _sha256(check) == expected, f"fork {branch} differs"
+            emit(f"fork {branch} from {base.id}", seconds,
+                 f"then {what}; committed as {tip.id} and verified")
+        emit("the snapshot tree", detail=render_tree(store.log()).replace("\n", "\n" + " " * 13))
 
-        # Another host: carry the boot image and the diffs to a second
-        # filesystem (btrfs) and replay the chain there.
-        other = stack.enter_context(scratch.mounted_filesystem("btrfs", size=4 * size + 512 * MiB))
-        t = time.perf_counter()
-        for name in ["step0.img"] + [f"step{step}.bdiff" for step in range(1, steps + 1)]:
-            with open(snaps / name, "rb") as s, open(other / name, "wb") as d:
+        # Another host: a second store on btrfs receives the last step, whole,
+        # then the steps after a fork point as an incremental export.
+        other_fs = stack.enter_context(
+            scratch.mounted_filesystem("btrfs", size=2 * size + 512 * MiB))
+        other = stack.enter_context(Store.init(other_fs / "store"))
+        first, last = snaps[1], snaps[-1]
+        start = time.perf_counter()
+        store.export(first.id, root / "first.bdx")
+        store.export(last.id, root / "last.bdx", since=first.id)
+        for name in ("first.bdx", "last.bdx"):
+            with open(root / name, "rb") as s, open(other_fs / name, "wb") as d:
                 native.copy_sparse(s.fileno(), d.fileno(), os.fstat(s.fileno()).st_size, d.name)
-                os.fsync(d.fileno())
-        emit(f"carry step 0 and {steps} diffs to another host's btrfs", time.perf_counter() - t)
-        t = time.perf_counter()
-        current = other / "step0.img"
-        for step in range(1, steps + 1):
-            engine.apply_diff(other / f"step{step}.bdiff", other / f"step{step}.img", current)
-            current = other / f"step{step}.img"
-        emit(f"replay steps 1-{steps} there", time.perf_counter() - t)
-        assert _sha256(current) == digests[steps], "replayed chain differs"
+        other.import_(other_fs / "first.bdx")
+        other.import_(other_fs / "last.bdx")
+        other.restore(last.id, other_fs / "disk.img")
+        seconds = time.perf_counter() - start
+        assert _sha256(other_fs / "disk.img") == digests[last.id], "imported snapshot differs"
+        emit(f"export step 1 whole and steps 2-{steps} as one increment, import on btrfs",
+             seconds, f"{os.path.getsize(root / 'last.bdx') // 1024} KiB increment; "
+             f"restored there and verified")
+        problems = store.verify()
+        assert not problems, problems
+        emit("verify: catalog and every checksum consistent")
 
         # For scale: what one full copy of the disk costs.
-        t = time.perf_counter()
+        start = time.perf_counter()
         subprocess.run(["cp", "--reflink=never", str(disk), str(root / "full-copy.img")],
                        check=True)
         with open(root / "full-copy.img", "rb") as f:
             os.fsync(f.fileno())
-        emit("for comparison: one full copy of the disk", time.perf_counter() - t)
+        emit("for comparison: one full copy of the disk", time.perf_counter() - start)
         emit("all snapshots, restores and forks verified byte for byte")
     return events
