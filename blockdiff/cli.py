@@ -47,6 +47,13 @@ def reports_errors(command):
             _fail(f"{e.strerror or e}{where}" + (f" ({hint})" if hint else ""), 1)
         except KeyboardInterrupt:
             _fail("interrupted; nothing was left under the final name", 130)
+        except Exception as e:
+            # A store's catalog that SQLite cannot use (locked for too long,
+            # damaged): a state to report, not a bug in blockdiff.
+            sqlite3 = sys.modules.get("sqlite3")
+            if sqlite3 is not None and isinstance(e, sqlite3.Error):
+                _fail(f"the store's catalog: {e}; check the store with: blockdiff verify", 6)
+            raise
 
     return wrapper
 

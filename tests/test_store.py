@@ -611,3 +611,15 @@ def test_copy_mode_store_without_reflink(kind, ext4, tmpfs):
     assert len(store.diff(snaps[0].id, snaps[1].id)) > 0
     assert store.verify() == {}
     store.close()
+
+
+def test_damaged_catalog_is_one_line(xfs):
+    env = dict(os.environ, BLOCKDIFF_STORE=str(xfs / "store"))
+    Store.init(xfs / "store").close()
+    for name in ("catalog.sqlite-wal", "catalog.sqlite-shm"):
+        (xfs / "store" / name).unlink(missing_ok=True)
+    (xfs / "store" / "catalog.sqlite").write_bytes(b"this is not a database" * 100)
+    proc = subprocess.run([sys.executable, "-m", "blockdiff", "log"], capture_output=True,
+                          text=True, env=env)
+    assert proc.returncode == 6 and "Traceback" not in proc.stderr
+    assert "catalog" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
