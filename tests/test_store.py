@@ -565,14 +565,16 @@ def test_full_disk_loses_nothing(fresh_filesystem):
     expected = digest(image)
     write_blocks(image, 200, seed=3)
     # Fill the filesystem to the last block.
-    with open(root / "filler", "wb") as f:
-        chunk = b"\xff" * (1 << 20)
-        try:
-            while True:
-                f.write(chunk)
-                f.flush()
-        except OSError:
-            pass
+    fd = os.open(root / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        for size in (1 << 20, 4096):       # big writes, then the last few blocks
+            try:
+                while True:
+                    os.write(fd, b"\xff" * size)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
     env = dict(os.environ, BLOCKDIFF_STORE=str(root / "store"))
     proc = subprocess.run([sys.executable, "-m", "blockdiff", "commit", str(image)],
                           capture_output=True, text=True, env=env)
