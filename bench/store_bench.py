@@ -1,7 +1,7 @@
 """Benchmark of the snapshot store over a run of agent steps, next to full-copy
 snapshots and a qcow2 overlay chain.
 
-    python bench/store_bench.py [--quick] [--steps N] [--json out.json]
+    python bench/store_bench.py [--quick] [--steps N] [--frag-mib N] [--json out.json]
                                 [--drop-caches none|copy|all] [--workdir DIR]
 
 One scratch XFS (reflink=1) loop mount holds everything. A 4 GiB image
@@ -11,7 +11,10 @@ blocks plus 1 MiB sequential at a random aligned offset (pwrite, fsync)
 followed by a timed ``Store.commit``. Then: restores of random earlier steps
 in place and into a new path, restores at depth N and depth 1, the store's
 size, full copies and reflink clones of the image, and a qcow2 overlay chain
-given the same writes with qemu-img / qemu-io (Debian: qemu-utils).
+given the same writes with qemu-img / qemu-io (Debian: qemu-utils). A second,
+fragmented image (1 GiB, every other block rewritten: 100,000+ extents; 256
+MiB with --quick) times commits and in-place restores after 100-block steps
+next to whole-image reflink clones of it.
 
 Needs root, xfsprogs, qemu-utils and the blockdiff package. See
 bench/README.md for what each row means.
@@ -41,6 +44,7 @@ try:
     import workloads
 
     from blockdiff import scratch
+    from blockdiff.extents import ExtentMap
     from blockdiff.store import Store
 except ImportError as e:
     sys.exit(f"bench/store_bench.py: {e}")
@@ -56,6 +60,10 @@ RESTORE_SAMPLES = 20         # restores of random earlier steps, in place and as
 VERIFIED_SAMPLES = 4         # of which at least this many are checked against a digest
 DEPTH_REPEAT = 5             # restores at depth N and at depth 1
 COPIES = 3                   # full copies and reflink clones timed
+FRAG_REPEAT = 5              # 100-block steps on the fragmented image, per timed row
+FRAG_MIN_EXTENTS = 100_000   # the fragmented image of the full run has at least this many
+FRAG_TAG = 0x66726167_00000000   # "frag": blocks of the fragmenting step
+FRAG_STEP_TAG = 0x66737470_00000000  # "fstp": blocks of the 100-block steps on it
 log = suite.log
 
 
@@ -113,6 +121,30 @@ def write_step(path: str, step: Step, pool: np.ndarray) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_blocks(path: str, blocks: np.ndarray, pool: np.ndarray, tag: int,
+                 chunk: int = 4096) -> None:
+    """One pwrite per 4 KiB block, in the order given, then fsync. Each block
+    carries its block number and ``tag`` in its first 16 bytes."""
+    blocks = np.asarray(blocks, dtype=np.uint64)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        for start in range(0, len(blocks), chunk):
+            part = blocks[start:start + chunk]
+            buf = np.tile(pool, (-(-len(part) // len(pool)), 1))[: len(part)]
+            buf[:, 0] = part
+            buf[:, 1] = tag
+            for i, b in enumerate(part.tolist()):
+                os.pwrite(fd, buf[i], b * BLOCK)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fragmenting_blocks(nblocks: int, rng: np.random.Generator) -> np.ndarray:
+    """Every other block (the even ones), in random order."""
+    return rng.permutation(np.arange(0, nblocks, 2, dtype=np.uint64))
 
 
 def choose_digest_steps(steps: int, rng: np.random.Generator) -> list[int]:
@@ -320,6 +352,72 @@ def run_copies(b: Bench, image: str, nsteps: int) -> dict:
     return {"full_copies_all_steps": (nsteps + 1) * os.path.getsize(image)}
 
 
+def run_fragmented(b: Bench, store_dir: str, size: int, seed: int,
+                   rng: np.random.Generator) -> dict:
+    """A second image, fragmented by rewriting every other block after its
+    first commit: commits and in-place restores after 100-block steps, next to
+    whole-image reflink clones of it."""
+    path = os.path.join(b.mnt, "fragmented.img")
+    clone = os.path.join(b.mnt, "fragmented-clone.img")
+    nblocks = size // BLOCK
+    pool = workloads._pool(seed + 11)
+    t0 = time.perf_counter()
+    workloads.write_image(path, size, seed=seed + 1)
+    log(f"fragmented image: wrote {human(size)} in {time.perf_counter() - t0:.1f} s")
+    store = Store(store_dir)
+    try:
+        store.commit(path, message="fragmented image: initial")
+        rewrite = fragmenting_blocks(nblocks, rng)
+        t0 = time.perf_counter()
+        write_blocks(path, rewrite, pool, FRAG_TAG)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            extents = len(ExtentMap.of_file(fd, path))
+        finally:
+            os.close(fd)
+        log(f"  rewrote every other block ({len(rewrite):,}) in random order in "
+            f"{time.perf_counter() - t0:.1f} s: {extents:,} extents")
+        if size >= GiB and extents < FRAG_MIN_EXTENTS:
+            raise RuntimeError(f"the fragmented image has {extents:,} extents, fewer than "
+                               f"{FRAG_MIN_EXTENTS:,}")
+        frag = b.time("frag_commit", "fragmented image: store.commit of the fragmenting step",
+                      lambda: store.commit(path, message="fragmenting step"))
+        b.rows["frag_commit"]["detail"].append({"ranges": frag.ranges,
+                                                "changed_bytes": frag.changed_bytes})
+        digest = sha256_file(path)
+
+        log(f"fragmented image: {FRAG_REPEAT} times a 100-block step, restore in place, "
+            f"reflink clone")
+        label = f"fragmented image ({extents:,} extents): restore in place after a 100-block step"
+        for i in range(FRAG_REPEAT):
+            blocks = rng.choice(nblocks, size=min(RANDOM_BLOCKS, nblocks), replace=False)
+            write_blocks(path, blocks, pool, FRAG_STEP_TAG | i)
+            res = b.time("frag_restore", label, lambda: store.restore(frag.id, path),
+                         detail={"step": 1})
+            b.rows["frag_restore"]["detail"][-1].update(ranges=res.ranges, bytes=res.bytes)
+            if i == 0:
+                b.check("restore in place on the fragmented image", 1, path, digest)
+            b.time("frag_clone", "fragmented image: whole-image reflink clone "
+                                 "(cp --reflink=always + fsync)",
+                   lambda: (run_tool(["cp", "--reflink=always", path, clone]),
+                            fsync_path(clone)))
+            os.unlink(clone)
+
+        log(f"fragmented image: {FRAG_REPEAT} times a 100-block step and a commit")
+        for i in range(FRAG_REPEAT):
+            blocks = rng.choice(nblocks, size=min(RANDOM_BLOCKS, nblocks), replace=False)
+            write_blocks(path, blocks, pool, FRAG_STEP_TAG | (FRAG_REPEAT + i))
+            snap = b.time("frag_commit_step",
+                          "fragmented image: store.commit after a 100-block step",
+                          lambda i=i: store.commit(path, message=f"fragmented image: step {i}"))
+            b.rows["frag_commit_step"]["detail"].append({"ranges": snap.ranges,
+                                                         "changed_bytes": snap.changed_bytes})
+    finally:
+        store.close()
+    os.unlink(path)
+    return {"frag_image": size, "frag_extents": extents, "frag_rewritten": len(rewrite)}
+
+
 def run_qcow2(b: Bench, base_raw: str, size: int, nsteps: int, seed: int) -> dict:
     """The same steps as a qcow2 overlay chain, and flattening it."""
     d = os.path.join(b.mnt, "qcow2")
@@ -373,10 +471,11 @@ def table(rows: dict[str, dict], sizes: dict, nsteps: int) -> str:
     full = rows.get("full_copy", {}).get("stats", {}).get("p50")
     lines = ["| operation | n | p50 s | p99 s | p50 vs full-copy snapshot | notes |",
              "|---|--:|--:|--:|--:|---|"]
-    for r in rows.values():
+    for key, r in rows.items():
         s = r["stats"]
         p99 = suite.fmt_s(s["p99"]) if s["p99"] is not None else "–"
-        ratio = suite.fmt_ratio(s["p50"] / full) if full else "–"
+        # The fragmented image is another image, of another size.
+        ratio = suite.fmt_ratio(s["p50"] / full) if full and not key.startswith("frag_") else "–"
         lines.append(f"| {r['label']} | {s['n']} | {suite.fmt_s(s['p50'])} | {p99} | {ratio} "
                      f"| {r.get('note', '')} |")
     z = sizes
@@ -403,6 +502,12 @@ def table(rows: dict[str, dict], sizes: dict, nsteps: int) -> str:
             f"- qcow2 chain: {human(q)} (base {human(z['qcow2_base'])}, {nsteps} overlays "
             f"{human(z['qcow2_overlays'])} = {z['qcow2_overlays'] / z['changed_bytes_steps']:.2f}"
             f"× the bytes changed)")
+    if "frag_extents" in z:
+        lines.append(
+            f"- fragmented image: {human(z['frag_image'])}, every other block "
+            f"({z['frag_rewritten']:,}) rewritten in random order after its first commit: "
+            f"{z['frag_extents']:,} extents; its rows compare with its own reflink clone, "
+            f"not with the full copy of the main image")
     return "\n".join(lines)
 
 
@@ -415,9 +520,9 @@ def summarize(rows: dict[str, dict]) -> None:
         if n >= 40:
             first, last = np.median(r["samples"][:10]), np.median(r["samples"][-10:])
             trend = f"; p50 of the first 10 {suite.fmt_s(first)}, last 10 {suite.fmt_s(last)}"
-        if key == "commit":
+        if key == "commit" or key.startswith("frag_commit"):
             r["note"] = f"median {int(np.median([d['ranges'] for d in det]))} ranges{trend}"
-        elif key.startswith("restore_"):
+        elif key.startswith("restore_") or key == "frag_restore":
             r["note"] = (f"median {int(np.median([d['ranges'] for d in det]))} ranges, "
                          f"{human(float(np.median([d['bytes'] for d in det])))}")
         elif key == "qcow2_create":
@@ -426,10 +531,13 @@ def summarize(rows: dict[str, dict]) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="512 MiB image, 40 steps")
+    ap.add_argument("--quick", action="store_true",
+                    help="512 MiB image, 40 steps, 256 MiB fragmented image")
     ap.add_argument("--steps", type=int, default=None, help="agent steps (default 200; 40 quick)")
     ap.add_argument("--image-mib", type=int, default=None,
                     help="image size in MiB (default 4096; 512 quick)")
+    ap.add_argument("--frag-mib", type=int, default=None,
+                    help="size in MiB of the fragmented image (default 1024; 256 quick)")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     ap.add_argument("--drop-caches", choices=("none", "copy", "all"), default="copy",
                     help="drop the page cache before each timed run of: nothing, the rows that "
@@ -442,8 +550,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     nsteps = args.steps or (40 if args.quick else 200)
     size = (args.image_mib or (512 if args.quick else 4096)) * MiB
-    if nsteps < 2 or size < 16 * MiB:
-        ap.error("needs at least 2 steps and a 16 MiB image")
+    frag_size = (args.frag_mib or (256 if args.quick else 1024)) * MiB
+    if nsteps < 2 or size < 16 * MiB or frag_size < 16 * MiB:
+        ap.error("needs at least 2 steps and 16 MiB images")
     if os.geteuid() != 0:
         print("bench/store_bench.py needs root (loop device, mount, fsfreeze)", file=sys.stderr)
         return 2
@@ -460,10 +569,11 @@ def main(argv=None) -> int:
 
     meta = {"kernel": platform.release(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "image_size": size, "steps": nsteps,
+            "fragmented_image_size": frag_size,
             "drop_caches": args.drop_caches, "seed": args.seed, "quick": args.quick,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     rng = np.random.default_rng(args.seed)
-    mount_size = 5 * size + nsteps * 16 * MiB + 2 * GiB
+    mount_size = 5 * size + 3 * frag_size + nsteps * 16 * MiB + 2 * GiB
     with workloads.exit_on_signals(), workloads.scratch_xfs(mount_size, args.workdir) as mnt:
         log(f"scratch XFS on {workloads.mount_source(mnt)} at {mnt}")
         b = Bench(mnt, args.drop_caches)
@@ -476,6 +586,7 @@ def main(argv=None) -> int:
         out = run_store(b, image, size, nsteps, args.seed, rng)
         sizes = out["sizes"]
         sizes.update(run_copies(b, image, nsteps))
+        sizes.update(run_fragmented(b, os.path.join(mnt, "store"), frag_size, args.seed, rng))
         qout = {}
         if qcow2:
             qout = run_qcow2(b, base_raw, size, nsteps, args.seed)
@@ -483,7 +594,8 @@ def main(argv=None) -> int:
         os.sync()
 
     order = ["full_copy", "reflink_clone", "commit_root", "commit", "restore_in_place",
-             "restore_fork", f"restore_depth_{nsteps}", "restore_depth_1", "qcow2_base",
+             "restore_fork", f"restore_depth_{nsteps}", "restore_depth_1", "frag_commit",
+             "frag_commit_step", "frag_restore", "frag_clone", "qcow2_base",
              "qcow2_create"] + sorted((k for k in b.rows if k.startswith("qcow2_flatten_")),
                                       key=lambda k: int(k.rsplit("_", 1)[1]))
     rows = {k: b.rows[k] for k in order if k in b.rows}
@@ -502,6 +614,9 @@ def main(argv=None) -> int:
     depth = {k: rows[f"restore_depth_{k}"]["stats"]["p50"] for k in (nsteps, 1)}
     print(f"\nrestore in place at depth {nsteps} / depth 1 (p50): "
           f"{depth[nsteps] / depth[1]:.2f}×")
+    frag_ratio = rows["frag_restore"]["stats"]["p50"] / rows["frag_clone"]["stats"]["p50"]
+    print(f"in-place restore / reflink clone: {frag_ratio:.3f}× (fragmented image, "
+          f"{sizes['frag_extents']:,} extents, p50; target ≤ 0.1)")
     bad = [c for c in b.checks if not c["identical"]]
     print(f"restores checked against the SHA-256 recorded at commit: {len(b.checks)}, "
           f"{'all identical' if not bad else f'{len(bad)} DIFFERENT'}")

@@ -61,6 +61,27 @@ def test_write_step_writes_exactly_the_step(tmp_path):
     assert os.path.getsize(path) == size
 
 
+def test_write_blocks_writes_exactly_the_blocks(tmp_path):
+    size = 8 * MiB
+    path = str(tmp_path / "image")
+    workloads.write_image(path, size, seed=1)
+    before = np.fromfile(path, dtype=np.uint64).reshape(-1, BLOCK // 8)
+    blocks = np.array([1500, 3, 77, 2047, 0], dtype=np.uint64)
+    store_bench.write_blocks(path, blocks, workloads._pool(5), 0xABC, chunk=2)
+    after = np.fromfile(path, dtype=np.uint64).reshape(-1, BLOCK // 8)
+    changed = np.flatnonzero((before != after).any(axis=1))
+    assert np.array_equal(changed, np.sort(blocks).astype(np.int64))
+    assert np.array_equal(after[blocks.astype(np.int64), 0], blocks)
+    assert (after[blocks.astype(np.int64), 1] == 0xABC).all()
+    assert os.path.getsize(path) == size
+
+
+def test_fragmenting_blocks_are_every_other_block_shuffled():
+    picked = store_bench.fragmenting_blocks(1001, np.random.default_rng(0))
+    assert np.array_equal(np.sort(picked), np.arange(0, 1001, 2, dtype=np.uint64))
+    assert not np.array_equal(picked, np.sort(picked))
+
+
 def test_digest_and_restore_choices():
     rng = np.random.default_rng(0)
     digests = store_bench.choose_digest_steps(200, rng)
@@ -86,14 +107,22 @@ def test_end_to_end_tiny_run(tmp_path, capsys):
     if reason:
         pytest.skip(f"no scratch XFS filesystem: {reason}")
     out = tmp_path / "out.json"
-    argv = ["--steps", "4", "--image-mib", "32", "--json", str(out),
+    argv = ["--steps", "4", "--image-mib", "32", "--frag-mib", "16", "--json", str(out),
             "--workdir", str(tmp_path / "scratch")]
     if not (shutil.which("qemu-img") and shutil.which("qemu-io")):
         argv.append("--no-qcow2")
     assert store_bench.main(argv) == 0
     printed = capsys.readouterr().out
     assert "| store.commit after a step | 4 |" in printed
+    assert "| fragmented image: store.commit after a 100-block step | 5 |" in printed
+    assert "| fragmented image: whole-image reflink clone" in printed
+    assert "in-place restore / reflink clone: " in printed
     result = json.loads(out.read_text())
     assert result["checks"] and all(c["identical"] for c in result["checks"])
     assert result["sizes"]["changed_bytes_steps"] >= 4 * store_bench.SEQUENTIAL
+    assert any(c["what"].endswith("on the fragmented image") for c in result["checks"])
+    # 16 MiB: 4,096 blocks, every other one rewritten, so about one extent per block
+    assert result["sizes"]["frag_extents"] >= 2048
+    assert len(result["rows"]["frag_restore"]["samples"]) == store_bench.FRAG_REPEAT
+    assert all(d["ranges"] >= 1 for d in result["rows"]["frag_restore"]["detail"])
     assert not os.listdir(tmp_path / "scratch")      # nothing left mounted or behind
