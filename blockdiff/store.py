@@ -490,8 +490,9 @@ class Store:
             if base is None:
                 raise StoreError(f"{path} builds on snapshot {record['base']}, which this "
                                  f"store does not have; import that first")
-        imported = Snapshot(0, info["id"], None, info["created"], info["message"],
-                            info["meta"], expires=info["expires"])
+        imported = Snapshot(0, info["id"], None, info.get("created") or time.time(),
+                            info.get("message") or "", info.get("meta") or {},
+                            expires=info.get("expires"))
         target = self.staging / f"{info['id']}.{os.getpid()}.import.img"
         with self._materialized(base) as base_path:
             try:
@@ -699,8 +700,10 @@ def read_export_record(path: str) -> dict:
         f.seek(end - 16 - length)
         try:
             record = json.loads(f.read(length))
-            well_formed = (record.get("format") == "blockdiff-export"
-                           and isinstance(record["snapshot"]["id"], str) and "base" in record)
+            snapshot_id = record["snapshot"]["id"]
+            well_formed = (record.get("format") == "blockdiff-export" and "base" in record
+                           and isinstance(snapshot_id, str) and len(snapshot_id) == 16
+                           and all(c in "0123456789abcdef" for c in snapshot_id))
         except (ValueError, KeyError, TypeError, AttributeError):
             well_formed = False
     if not well_formed:
