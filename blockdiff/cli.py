@@ -352,7 +352,8 @@ def rm(store_path, snapshot_id):
 
     with _open_store(store_path) as store:
         result = store.rm(snapshot_id)
-    click.echo(f"removed {snapshot_id}, freed {human_size(result.bytes_freed)}")
+    click.echo(f"removed {snapshot_id}; its files held {human_size(result.bytes_freed)} "
+               f"(blocks an image still shares stay in use)")
 
 
 @main.command()
@@ -381,7 +382,8 @@ def gc(store_path, keep_last, keep_within, dry_run):
     for snapshot_id in result.removed:
         click.echo(f"{verb} {snapshot_id} ({result.reasons[snapshot_id]})")
     if not dry_run:
-        click.echo(f"freed {human_size(result.bytes_freed)}")
+        click.echo(f"removed files held {human_size(result.bytes_freed)} "
+                   f"(blocks an image still shares stay in use)")
 
 
 @main.command()

@@ -140,7 +140,8 @@ class Removal:
     """What ``Store.rm`` or ``Store.gc`` removed."""
 
     removed: list[str]
-    bytes_freed: int
+    bytes_freed: int     # allocated in the removed files; blocks shared with a
+                         # live image are not freed on disk until it lets go
     reasons: dict
 
 
