@@ -129,13 +129,13 @@ def _boundaries(*interval_sets) -> np.ndarray:
     Each set's starts and ends interleave into one sorted run, so a stable
     sort (timsort) merges the runs in linear time; no hashing, no n log n.
     """
-    runs = []
+    total = sum(2 * len(start) for start, _ in interval_sets)
+    points = np.empty(total, _U64)
+    at = 0
     for start, end in interval_sets:
-        run = np.empty(2 * len(start), _U64)
-        run[0::2] = start
-        run[1::2] = end
-        runs.append(run)
-    points = np.concatenate(runs)
+        points[at:at + 2 * len(start):2] = start
+        points[at + 1:at + 2 * len(start):2] = end
+        at += 2 * len(start)
     points.sort(kind="stable")
     if len(points) < 2:
         return points
@@ -147,14 +147,15 @@ def _boundaries(*interval_sets) -> np.ndarray:
 
 def _locate(starts: np.ndarray, ends: np.ndarray, points: np.ndarray):
     """For each point, the index of the interval containing it, and whether one does."""
-    index = np.searchsorted(starts, points, side="right").astype(np.int64) - 1
+    index = np.searchsorted(starts, points, side="right").astype(np.int64)
+    index -= 1
     inside = index >= 0
-    safe = np.where(inside, index, 0)
+    np.maximum(index, 0, out=index)   # a safe index where none contains the point
     if len(starts):
-        inside &= ends[safe] > points
+        inside &= ends[index] > points
     else:
         inside[:] = False
-    return safe, inside
+    return index, inside
 
 
 def _round_up(values: np.ndarray, block: np.uint64) -> np.ndarray:
@@ -254,9 +255,14 @@ def changed_ranges(target: ExtentMap, base: ExtentMap | None, block: int = 4096)
     bi, b_in = _locate(b_start, b_end, seg_start)
     same = t_in & b_in & (seg_start < _U64(base_limit))
     if len(t_start) and len(b_start):
-        t_at = t_phys[ti] + (seg_start - t_start[ti])
-        b_at = b_phys[bi] + (seg_start - b_start[bi])
+        # Physical address of each segment's start in both files, computed in
+        # place: with a million extents every temporary array is 16 MB.
+        t_at = seg_start - t_start[ti]
+        t_at += t_phys[ti]
+        b_at = seg_start - b_start[bi]
+        b_at += b_phys[bi]
         same &= t_cmp[ti] & b_cmp[bi] & (t_at == b_at)
+        del t_at, b_at
     else:
         same[:] = False
     changed_data = t_in & ~same

@@ -314,7 +314,7 @@ class Store:
                 with self._materialized(parent_snap) as parent_copy:
                     changes = self._compare_contents(fd, image, parent_copy)
             else:
-                emap = ExtentMap.of_file(fd, image)
+                emap = ExtentMap.of_file(fd, image, sync=False)  # fsynced above
                 emap.check_supported(image)
                 if native.fs_info(fd, image)[2] != os.stat(self.objects).st_dev:
                     raise Unsupported(f"{image} is not on the store's filesystem; keep images "
@@ -405,7 +405,7 @@ class Store:
             # Marked first: a crash half-way leaves an image commit refuses.
             self._set_lineage(fd, snap.id, "restoring")
             native.fsync(fd, image)
-            current = ExtentMap.of_file(fd, image)
+            current = ExtentMap.of_file(fd, image, sync=False)  # fsynced above
             differ = changed_ranges(smap.extents, current, BLOCK)
             native.truncate(fd, snap.size, image)
             data = differ.kind == DATA
@@ -542,7 +542,7 @@ class Store:
                                                  pieces.offset.copy()), size=snap.size)
                 crc, _ = native.transfer_ranges(fd, -1, compacted.pos, None, compacted.length,
                                                 staged, checksums=True)
-                extents = ExtentMap.of_file(fd, staged)
+                extents = ExtentMap.of_file(fd, staged, sync=False)  # fsynced above
             finally:
                 os.close(fd)
             raw = _encode_map(SnapshotMap(compacted, extents, compacted.pos, compacted.length,
