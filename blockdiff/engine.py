@@ -156,7 +156,7 @@ def diff_ranges(target_fd: int, target_path: str, base_fd: int | None,
         base_size = 0
     else:
         native.fsync(base_fd, base_path)
-        b_type, _, b_dev = native.fs_info(base_fd, base_path)
+        _, _, b_dev = native.fs_info(base_fd, base_path)
         base_size = os.fstat(base_fd).st_size
         if t_dev != b_dev:
             reason = "the target and the base are on different filesystems"

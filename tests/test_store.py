@@ -625,3 +625,14 @@ def test_damaged_catalog_is_one_line(xfs):
                           text=True, env=env)
     assert proc.returncode == 6 and "Traceback" not in proc.stderr
     assert "catalog" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_catalog_migrations_apply_once(store, xfs):
+    from blockdiff.catalog import MIGRATIONS, Catalog
+
+    assert store.catalog.schema_version == len(MIGRATIONS)
+    again = Catalog(str(store.root / "catalog.sqlite"))     # reopening migrates nothing
+    assert again.schema_version == len(MIGRATIONS)
+    rows = again.db.execute("SELECT COUNT(*) FROM schema_migrations").fetchone()[0]
+    assert rows == len(MIGRATIONS)
+    again.close()
