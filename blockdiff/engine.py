@@ -140,7 +140,6 @@ def diff_ranges(target_fd: int, target_path: str, base_fd: int | None,
     # Flushed once here: the extent maps below need no FIEMAP_FLAG_SYNC.
     native.fsync(target_fd, target_path)
     t_type, _, t_dev = native.fs_info(target_fd, target_path)
-    target_size = os.fstat(target_fd).st_size
     notes: list[str] = []
     reason = None
     if base_fd is None:
@@ -153,11 +152,9 @@ def diff_ranges(target_fd: int, target_path: str, base_fd: int | None,
         else:
             tmap.check_supported(target_path)
             return changed_ranges(tmap, None, BLOCK), "extents", notes
-        base_size = 0
     else:
         native.fsync(base_fd, base_path)
         _, _, b_dev = native.fs_info(base_fd, base_path)
-        base_size = os.fstat(base_fd).st_size
         if t_dev != b_dev:
             reason = "the target and the base are on different filesystems"
         elif t_type not in _SHARING_FILESYSTEMS:
@@ -168,9 +165,18 @@ def diff_ranges(target_fd: int, target_path: str, base_fd: int | None,
             bmap = ExtentMap.of_file(base_fd, base_path, sync=False)
             return changed_ranges(tmap, bmap, BLOCK), "extents", notes
     notes.append(f"{reason}: comparing contents instead (correct, but reads both files in full)")
+    return compare_contents(target_fd, target_path, base_fd), "content", notes
+
+
+def compare_contents(target_fd: int, target_path: str, base_fd: int | None) -> RangeSet:
+    """The ranges where two open files differ, found by reading both (for
+    filesystems that cannot tell shared extents apart). Without a base: the
+    target's non-zero blocks."""
+    target_size = os.fstat(target_fd).st_size
+    base_size = 0 if base_fd is None else os.fstat(base_fd).st_size
     classes = native.compare_blocks(target_fd, target_size, -1 if base_fd is None else base_fd,
                                     base_size, BLOCK, target_path)
-    return ranges_from_block_classes(classes, BLOCK, target_size), "content", notes
+    return ranges_from_block_classes(classes, BLOCK, target_size)
 
 
 def create_diff(out: str | os.PathLike, target: str | os.PathLike,

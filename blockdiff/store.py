@@ -41,7 +41,6 @@ from blockdiff.extents import (
     coalesce,
     overlay,
     pieces_within,
-    ranges_from_block_classes,
 )
 from blockdiff.scratch import process_alive
 
@@ -116,6 +115,15 @@ def _decode_map(raw: bytes) -> SnapshotMap:
                         int(z["e_size"]))
     return SnapshotMap(pieces, extents, z["own_pos"], z["own_length"], z["own_crc"],
                        int(z["own_layer"]))
+
+
+def _compare_with_file(fd: int, path: str, base: Path | None):
+    """Ranges where an open file differs from the file ``base`` (None: from
+    nothing), found by reading both."""
+    if base is None:
+        return engine.compare_contents(fd, path, None)
+    with open(base, "rb") as b:
+        return engine.compare_contents(fd, path, b.fileno())
 
 
 def _write_readonly(path: Path, data: bytes) -> None:
@@ -312,7 +320,7 @@ class Store:
                 size = os.fstat(fd).st_size
                 emap = ExtentMap.from_arrays([], [], [], [], size)
                 with self._materialized(parent_snap) as parent_copy:
-                    changes = self._compare_contents(fd, image, parent_copy)
+                    changes = _compare_with_file(fd, image, parent_copy)
             else:
                 emap = ExtentMap.of_file(fd, image, sync=False)  # fsynced above
                 emap.check_supported(image)
@@ -369,15 +377,23 @@ class Store:
 
     # ------------------------------------------------------------ restore
 
-    def _fill(self, out_fd: int, out_path: str, pieces: PieceTable) -> int:
-        """Clone pieces into a file, one native call per layer."""
-        for layer in np.unique(pieces.layer):
-            sel = pieces.layer == layer
-            src = self.objects / f"{int(layer):016x}.layer"
-            with open(src, "rb") as f:
+    def _fill(self, out_fd: int, out_path: str, pieces: PieceTable, *, copy: bool = False) -> None:
+        """Write pieces into a file at their offsets, one native call per layer:
+        reflinked, or with ``copy`` copied through memory (checksumming forces
+        that; copy_file_range would reflink within one filesystem)."""
+        # Grouped by one stable sort, not one mask per layer: a deep line has
+        # thousands of layers and a fragmented image many pieces.
+        if len(pieces) == 0:
+            return
+        order = np.argsort(pieces.layer, kind="stable")
+        layers = pieces.layer[order]
+        starts = np.flatnonzero(np.concatenate(([True], layers[1:] != layers[:-1])))
+        for first, last in zip(starts, np.append(starts[1:], len(order))):
+            sel = order[first:last]
+            with open(self.objects / f"{int(layers[first]):016x}.layer", "rb") as f:
                 native.transfer_ranges(f.fileno(), out_fd, pieces.pos[sel], pieces.offset[sel],
-                                       pieces.length[sel], out_path)
-        return len(pieces)
+                                       pieces.length[sel], out_path, reflink=not copy,
+                                       checksums=copy)
 
     def restore(self, snapshot_id: str, image: str | os.PathLike) -> RestoreResult:
         """Make ``image`` byte-identical to a snapshot.
@@ -528,14 +544,7 @@ class Store:
                 # copied, not reflinked, so the filesystem lays it out afresh.
                 native.truncate(fd, snap.size, staged)
                 pieces = smap.pieces
-                for source in np.unique(pieces.layer):
-                    sel = pieces.layer == source
-                    with open(self.objects / f"{int(source):016x}.layer", "rb") as f:
-                        # Checksumming forces a copy through memory: copy_file_range
-                        # would reflink within one filesystem, which is not the point.
-                        native.transfer_ranges(f.fileno(), fd, pieces.pos[sel],
-                                               pieces.offset[sel], pieces.length[sel],
-                                               staged, reflink=False, checksums=True)
+                self._fill(fd, str(staged), pieces, copy=True)
                 native.fsync(fd, staged)
                 compacted = PieceTable(*coalesce(pieces.offset, pieces.length,
                                                  np.full(len(pieces), layer, np.int64),
@@ -579,8 +588,10 @@ class Store:
             # Files go after the catalog commit: a crash in between leaves
             # only unreferenced files, which gc sweeps.
             freed += _unlink(self.map_path(snap))
+            # Its own layer may hold no piece at all (a step that changed nothing).
+            in_use = self.catalog.layers_in_use()
             for layer in set(unused) | {_layer_number(snap.id)}:
-                if layer not in self.catalog.layers_in_use():
+                if layer not in in_use:
                     freed += _unlink(self.objects / f"{layer:016x}.layer")
         return Removal([s.id for s in snaps], freed, reasons)
 
@@ -669,21 +680,9 @@ class Store:
         if self.copy_mode:
             with self._materialized(snap_b) as path_b, self._materialized(snap_a) as path_a:
                 with open(path_b, "rb") as f:
-                    return self._compare_contents(f.fileno(), str(path_b), path_a)
+                    return _compare_with_file(f.fileno(), str(path_b), path_a)
         map_a, map_b = self.load_map(snap_a), self.load_map(snap_b)
         return changed_ranges(map_b.extents, map_a.extents, BLOCK)
-
-    def _compare_contents(self, fd: int, path: str, base: Path | None):
-        """Ranges where an open file differs from ``base`` (None: from nothing),
-        found by reading both."""
-        size = os.fstat(fd).st_size
-        if base is None:
-            classes = native.compare_blocks(fd, size, -1, 0, BLOCK, path)
-        else:
-            with open(base, "rb") as b:
-                classes = native.compare_blocks(fd, size, b.fileno(), os.fstat(b.fileno()).st_size,
-                                                BLOCK, path)
-        return ranges_from_block_classes(classes, BLOCK, size)
 
 
 def read_export_record(path: str) -> dict:
