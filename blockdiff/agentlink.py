@@ -1,0 +1,179 @@
+"""The host side of the guest agent's protocol (``guest/agent.c``).
+
+Frames in both directions: ``"BDA1" | u8 type | u8 0 | u16 0 | u32 id | u32 length``
+(little-endian), then ``length`` bytes of payload. A reply has the request's
+id and type | 0x80; an error reply has type 0xff and a message. Replies to
+other ids are stale answers to a client that gave up, and are skipped.
+
+Payloads:
+
+- PING → the agent's version string.
+- EXEC ``u32 timeout_ms | u32 argc | u32 stdin_len | u32 0 | argv\\0… | cwd\\0 | stdin``
+  → ``i32 status | u32 flags | u32 stdout_len | u32 stderr_len | stdout | stderr``;
+  status is the exit code, or 128 + signal; flags: 1 timed out, 2 output truncated.
+- FREEZE ``u32 auto_thaw_ms``, THAW, SYNC, SHUTDOWN → ``u32 errno``.
+- DETACH (end every guest process, unmount the disk) and ATTACH (drop the
+  guest's cached blocks of the disk, mount it again) → ``u32 errno``: the
+  host rewrites the disk image between the two.
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import itertools
+import os
+import random
+import socket
+import struct
+import time
+from dataclasses import dataclass
+
+from blockdiff.errors import BlockdiffError
+
+MAGIC = b"BDA1"
+HEADER = struct.Struct("<4sBBHII")
+PING, EXEC, FREEZE, THAW, SYNC, SHUTDOWN, DETACH, ATTACH = 1, 2, 3, 4, 5, 6, 7, 8
+REPLY, ERROR = 0x80, 0xFF
+TIMED_OUT, TRUNCATED = 1, 2
+
+
+class GuestError(BlockdiffError):
+    """The guest agent did not answer, or answered with an error."""
+
+    exit_code = 9
+
+
+class GuestTimeout(GuestError):
+    pass
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    status: int
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool = False
+    truncated: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 0 and not self.timed_out
+
+
+class AgentLink:
+    """One connection to a guest agent's virtio-serial socket.
+
+    ``socket_path`` is reached through ``dir_fd`` when given, so that long
+    store paths do not hit the 108-byte limit of a unix socket address.
+    """
+
+    _ids = itertools.count(random.randrange(1 << 31))
+
+    def __init__(self, socket_path: str, *, dir_fd: int | None = None):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        address = f"/proc/self/fd/{dir_fd}/{socket_path}" if dir_fd is not None else socket_path
+        try:
+            self.sock.connect(address)
+        except OSError as e:
+            self.sock.close()
+            raise GuestError(f"cannot reach the guest agent ({e.strerror}); "
+                             f"is the VM running? start it with: blockdiff vm start") from None
+        self._pending = b""
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> "AgentLink":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ----------------------------------------------------------- frames
+
+    def _recv_exact(self, n: int, deadline: float, what: str) -> bytes:
+        while len(self._pending) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise GuestTimeout(f"the guest did not answer {what} within the timeout; "
+                                   f"it may be hung or still booting (see its console.log)")
+            self.sock.settimeout(left)
+            try:
+                chunk = self.sock.recv(max(1 << 16, n - len(self._pending)))
+            except TimeoutError:
+                continue
+            if not chunk:
+                raise GuestError(f"the VM closed the agent channel during {what}; "
+                                 f"did QEMU exit? (see its console.log)")
+            self._pending += chunk
+        out, self._pending = self._pending[:n], self._pending[n:]
+        return out
+
+    def request(self, kind: int, payload: bytes, timeout: float, what: str) -> bytes:
+        request_id = next(self._ids) & 0xFFFFFFFF
+        self.sock.settimeout(timeout)
+        self.sock.sendall(HEADER.pack(MAGIC, kind, 0, 0, request_id, len(payload)) + payload)
+        deadline = time.monotonic() + timeout
+        while True:
+            magic, rtype, _, _, rid, length = HEADER.unpack(
+                self._recv_exact(HEADER.size, deadline, what))
+            if magic != MAGIC:
+                raise GuestError(f"the guest agent sent a malformed frame during {what}")
+            body = self._recv_exact(length, deadline, what)
+            if rid != request_id:
+                continue
+            if rtype == ERROR:
+                raise GuestError(f"the guest agent refused {what}: {body.decode(errors='replace')}")
+            if rtype != kind | REPLY:
+                raise GuestError(f"the guest agent answered {what} with frame type {rtype:#x}")
+            return body
+
+    def _status(self, kind: int, payload: bytes, timeout: float, what: str) -> None:
+        err, = struct.unpack("<I", self.request(kind, payload, timeout, what)[:4])
+        if err:
+            raise GuestError(f"{what} failed in the guest: {os.strerror(err)} "
+                             f"({errno_mod.errorcode.get(err, err)})")
+
+    # ----------------------------------------------------------- requests
+
+    def ping(self, timeout: float = 5.0) -> str:
+        return self.request(PING, b"", timeout, "a ping").decode(errors="replace")
+
+    def exec(self, argv: list[str], *, timeout: float | None = None, stdin: bytes = b"",
+             cwd: str = "/") -> ExecResult:
+        """Run ``argv`` in the guest (chrooted into its disk). ``timeout`` kills
+        the command in the guest; the host waits a little longer for the reply."""
+        if not argv:
+            raise GuestError("nothing to run: give a command")
+        strings = b"".join(a.encode() + b"\0" for a in argv) + cwd.encode() + b"\0"
+        timeout_ms = int(timeout * 1000) if timeout else 0
+        payload = struct.pack("<IIII", timeout_ms, len(argv), len(stdin), 0) + strings + stdin
+        wait = (timeout + 10.0) if timeout else 365 * 86400.0
+        body = self.request(EXEC, payload, wait, f"the command {argv[0]!r}")
+        status, flags, n_out, n_err = struct.unpack_from("<iIII", body)
+        out = body[16:16 + n_out]
+        err = body[16 + n_out:16 + n_out + n_err]
+        return ExecResult(status, out, err, bool(flags & TIMED_OUT), bool(flags & TRUNCATED))
+
+    def freeze(self, auto_thaw: float = 30.0, timeout: float = 30.0) -> None:
+        """Flush and freeze the guest's disk filesystem; it thaws by itself
+        after ``auto_thaw`` seconds if :meth:`thaw` never comes."""
+        self._status(FREEZE, struct.pack("<I", int(auto_thaw * 1000)), timeout,
+                     "freezing the disk")
+
+    def thaw(self, timeout: float = 30.0) -> None:
+        self._status(THAW, b"", timeout, "thawing the disk")
+
+    def sync(self, timeout: float = 60.0) -> None:
+        self._status(SYNC, b"", timeout, "syncing the disk")
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._status(SHUTDOWN, b"", timeout, "the shutdown")
+
+    def detach(self, timeout: float = 30.0) -> None:
+        """End every process in the guest and unmount its disk."""
+        self._status(DETACH, b"", timeout, "detaching the disk")
+
+    def attach(self, timeout: float = 30.0) -> None:
+        """Mount the (rewritten) disk again, with nothing of its old contents cached."""
+        self._status(ATTACH, b"", timeout, "attaching the disk")

@@ -1,0 +1,596 @@
+/*
+ * blockdiff-agent: the command channel inside a sandbox VM.
+ *
+ * Runs as PID 1 of the guest's initramfs. The sandbox disk is mounted at a
+ * root directory (default /mnt/root) and every command runs chrooted into it,
+ * so any raw disk image with a filesystem the kernel knows can be a sandbox
+ * disk without anything installed on it.
+ *
+ * The host talks to it over a virtio-serial port named org.blockdiff.agent.
+ * Both directions use the same frame: a 16-byte header
+ *     "BDA1" | u8 type | u8 0 | u16 0 | u32 request id | u32 payload length
+ * (little-endian) followed by the payload. Replies carry the request's id and
+ * its type with the high bit set; the host discards replies to ids it no
+ * longer waits for, so a host that timed out and reconnected is never
+ * confused by an old answer. The byte layouts are in blockdiff/agentlink.py.
+ *
+ * One request at a time: the agent is single-threaded and the host holds a
+ * per-VM lock, which keeps the protocol free of interleaving.
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/fs.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/reboot.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define AGENT_VERSION "blockdiff-agent 1"
+#define PORT_NAME "org.blockdiff.agent"
+#define MAX_PAYLOAD (64u << 20)
+#define MAX_OUTPUT (16u << 20)
+
+enum {
+    T_PING = 1, T_EXEC = 2, T_FREEZE = 3, T_THAW = 4, T_SYNC = 5, T_SHUTDOWN = 6,
+    T_DETACH = 7, T_ATTACH = 8,
+    T_REPLY = 0x80, T_ERROR = 0xff,
+};
+enum { EXEC_TIMED_OUT = 1, EXEC_TRUNCATED = 2 };
+
+static const char *root = "/mnt/root";
+static const char *disk = "/dev/vda";
+static const char *const binds[] = {"proc", "sys", "dev"};
+static int port = -1;
+static int frozen;                 /* the root filesystem is frozen */
+static int64_t thaw_deadline_ms;   /* thaw by itself then, if the host never does */
+
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void logmsg(const char *fmt, const char *arg)
+{
+    /* The console (ttyS0) goes to console.log on the host: boot problems are
+     * diagnosed from there. */
+    fprintf(stderr, "blockdiff-agent: ");
+    fprintf(stderr, fmt, arg);
+    fputc('\n', stderr);
+}
+
+static uint32_t get32(const unsigned char *p)
+{
+    return p[0] | p[1] << 8 | p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static void put32(unsigned char *p, uint32_t v)
+{
+    p[0] = v; p[1] = v >> 8; p[2] = v >> 16; p[3] = v >> 24;
+}
+
+/* ------------------------------------------------------------ the port */
+
+static int find_port(char *path, size_t size)
+{
+    DIR *d = opendir("/sys/class/virtio-ports");
+    struct dirent *e;
+    int found = 0;
+    if (!d)
+        return 0;
+    while (!found && (e = readdir(d))) {
+        char namefile[512], name[128] = {0};
+        int fd;
+        if (e->d_name[0] == '.')
+            continue;
+        snprintf(namefile, sizeof namefile, "/sys/class/virtio-ports/%s/name", e->d_name);
+        fd = open(namefile, O_RDONLY);
+        if (fd < 0)
+            continue;
+        if (read(fd, name, sizeof name - 1) > 0) {
+            name[strcspn(name, "\n")] = 0;
+            if (!strcmp(name, PORT_NAME)) {
+                snprintf(path, size, "/dev/%s", e->d_name);
+                found = 1;
+            }
+        }
+        close(fd);
+    }
+    closedir(d);
+    return found;
+}
+
+static void thaw_if_overdue(void);
+
+/* Read exactly n bytes. While the host is not connected the port reports
+ * POLLHUP; wait for it to come back instead of spinning. */
+static int read_full(unsigned char *buf, size_t n)
+{
+    size_t got = 0;
+    while (got < n) {
+        struct pollfd p = {.fd = port, .events = POLLIN};
+        int r = poll(&p, 1, 200);
+        thaw_if_overdue();
+        if (r < 0 && errno != EINTR)
+            return -1;
+        if (r <= 0)
+            continue;
+        if (!(p.revents & POLLIN)) {
+            usleep(20000);
+            continue;
+        }
+        ssize_t k = read(port, buf + got, n - got);
+        if (k < 0 && errno != EINTR && errno != EAGAIN)
+            return -1;
+        if (k > 0)
+            got += k;
+    }
+    return 0;
+}
+
+static void write_full(const unsigned char *buf, size_t n)
+{
+    while (n) {
+        ssize_t k = write(port, buf, n);
+        if (k < 0) {
+            if (errno == EINTR || errno == EAGAIN) {
+                struct pollfd p = {.fd = port, .events = POLLOUT};
+                poll(&p, 1, 100);
+                continue;
+            }
+            return; /* the host went away: it will ask again */
+        }
+        buf += k;
+        n -= k;
+    }
+}
+
+static void send_frame(int type, uint32_t id, const void *a, size_t alen, const void *b,
+                       size_t blen, const void *c, size_t clen)
+{
+    unsigned char h[16] = {'B', 'D', 'A', '1', (unsigned char)type, 0, 0, 0};
+    put32(h + 8, id);
+    put32(h + 12, alen + blen + clen);
+    write_full(h, sizeof h);
+    if (alen) write_full(a, alen);
+    if (blen) write_full(b, blen);
+    if (clen) write_full(c, clen);
+}
+
+static void send_error(uint32_t id, const char *msg)
+{
+    send_frame(T_ERROR, id, msg, strlen(msg), NULL, 0, NULL, 0);
+}
+
+static void send_status(int type, uint32_t id, int err)
+{
+    unsigned char v[4];
+    put32(v, (uint32_t)err);
+    send_frame(type | T_REPLY, id, v, 4, NULL, 0, NULL, 0);
+}
+
+/* ------------------------------------------------------------- freezing */
+
+static int freeze_root(void)
+{
+    int fd = open(root, O_RDONLY | O_DIRECTORY), err = 0;
+    if (fd < 0)
+        return errno;
+    if (ioctl(fd, FIFREEZE, 0) < 0 && errno != EBUSY)
+        err = errno;
+    close(fd);
+    return err;
+}
+
+static int thaw_root(void)
+{
+    int fd = open(root, O_RDONLY | O_DIRECTORY), err = 0;
+    if (fd < 0)
+        return errno;
+    if (ioctl(fd, FITHAW, 0) < 0 && errno != EINVAL)  /* EINVAL: not frozen */
+        err = errno;
+    close(fd);
+    frozen = 0;
+    return err;
+}
+
+static void thaw_if_overdue(void)
+{
+    if (frozen && now_ms() >= thaw_deadline_ms) {
+        logmsg("%s", "the host never thawed the disk; thawing it");
+        thaw_root();
+    }
+}
+
+static int sync_root(void)
+{
+    int fd = open(root, O_RDONLY | O_DIRECTORY), err = 0;
+    if (fd < 0)
+        return errno;
+    if (syncfs(fd) < 0)
+        err = errno;
+    close(fd);
+    return err;
+}
+
+/* --------------------------------------------------------------- exec */
+
+struct buf {
+    unsigned char *data;
+    size_t len, cap;
+    int truncated;
+};
+
+static void buf_add(struct buf *b, const unsigned char *p, size_t n)
+{
+    if (b->len + n > MAX_OUTPUT) {
+        n = MAX_OUTPUT - b->len;
+        b->truncated = 1;
+    }
+    if (b->len + n > b->cap) {
+        size_t cap = b->cap ? b->cap : 65536;
+        while (cap < b->len + n)
+            cap *= 2;
+        unsigned char *d = realloc(b->data, cap);
+        if (!d) {
+            b->truncated = 1;
+            return;
+        }
+        b->data = d;
+        b->cap = cap;
+    }
+    memcpy(b->data + b->len, p, n);
+    b->len += n;
+}
+
+/* Drain a pipe into a buffer; returns 0 at end of file. */
+static int drain(int fd, struct buf *b)
+{
+    unsigned char chunk[65536];
+    for (;;) {
+        ssize_t k = read(fd, chunk, sizeof chunk);
+        if (k > 0) {
+            buf_add(b, chunk, k);
+            continue;
+        }
+        if (k == 0)
+            return 0;
+        return errno == EAGAIN || errno == EINTR ? 1 : 0;
+    }
+}
+
+static void child(char **argv, const char *cwd, int in, int out, int err)
+{
+    dup2(in, 0);
+    dup2(out, 1);
+    dup2(err, 2);
+    setsid();
+    signal(SIGPIPE, SIG_DFL);
+    if (chroot(root) < 0 || chdir(cwd[0] ? cwd : "/") < 0) {
+        dprintf(2, "blockdiff-agent: cannot enter %s (%s): %s\n", root, cwd, strerror(errno));
+        _exit(126);
+    }
+    execvp(argv[0], argv);
+    dprintf(2, "blockdiff-agent: %s: %s\n", argv[0], strerror(errno));
+    _exit(errno == ENOENT ? 127 : 126);
+}
+
+/* payload: u32 timeout_ms | u32 argc | u32 stdin_len | u32 0 | argv\0... | cwd\0 | stdin */
+static void do_exec(uint32_t id, unsigned char *p, uint32_t len)
+{
+    if (len < 16) {
+        send_error(id, "exec: short request");
+        return;
+    }
+    uint32_t timeout_ms = get32(p), argc = get32(p + 4), in_len = get32(p + 8);
+    unsigned char *s = p + 16, *end = p + len;
+    if (argc == 0 || argc > 65536 || in_len > len) {
+        send_error(id, "exec: malformed request");
+        return;
+    }
+    char **argv = calloc(argc + 1, sizeof *argv);
+    const char *cwd = NULL;
+    for (uint32_t i = 0; argv && i <= argc; i++) {  /* argc strings, then the cwd */
+        unsigned char *z = memchr(s, 0, end - s);
+        if (!z)
+            break;
+        if (i < argc)
+            argv[i] = (char *)s;
+        else
+            cwd = (char *)s;
+        s = z + 1;
+    }
+    if (!cwd) {
+        free(argv);
+        send_error(id, "exec: malformed request");
+        return;
+    }
+    if ((size_t)(end - s) != in_len) {
+        free(argv);
+        send_error(id, "exec: malformed request");
+        return;
+    }
+
+    int pin[2], pout[2], perr[2];
+    if (pipe2(pin, O_CLOEXEC) || pipe2(pout, O_CLOEXEC) || pipe2(perr, O_CLOEXEC)) {
+        free(argv);
+        send_error(id, "exec: out of file descriptors");
+        return;
+    }
+    pid_t pid = fork();
+    if (pid == 0)
+        child(argv, cwd, pin[0], pout[1], perr[1]);
+    free(argv);
+    close(pin[0]);
+    close(pout[1]);
+    close(perr[1]);
+    if (pid < 0) {
+        close(pin[1]); close(pout[0]); close(perr[0]);
+        send_error(id, "exec: fork failed");
+        return;
+    }
+    fcntl(pin[1], F_SETFL, O_NONBLOCK);
+    fcntl(pout[0], F_SETFL, O_NONBLOCK);
+    fcntl(perr[0], F_SETFL, O_NONBLOCK);
+
+    struct buf out = {0}, errb = {0};
+    size_t in_off = 0;
+    int in_fd = pin[1], out_open = 1, err_open = 1, status = 0, exited = 0, timed_out = 0;
+    int64_t deadline = timeout_ms ? now_ms() + timeout_ms : 0;
+    if (in_len == 0) {
+        close(in_fd);
+        in_fd = -1;
+    }
+    /* Until the command exits and both pipes reach end of file. A command
+     * that leaves a background process holding the pipes open ends when it
+     * exits: what is already in the pipes is collected, then the reply goes. */
+    while (!exited || out_open || err_open) {
+        struct pollfd f[3] = {{.fd = out_open ? pout[0] : -1, .events = POLLIN},
+                              {.fd = err_open ? perr[0] : -1, .events = POLLIN},
+                              {.fd = in_fd, .events = POLLOUT}};
+        poll(f, 3, exited ? 0 : 50);
+        if (out_open && f[0].revents)
+            out_open = drain(pout[0], &out);
+        if (err_open && f[1].revents)
+            err_open = drain(perr[0], &errb);
+        if (in_fd >= 0 && f[2].revents) {
+            ssize_t k = write(in_fd, s + in_off, in_len - in_off);
+            if (k > 0)
+                in_off += k;
+            if ((k < 0 && errno != EAGAIN) || in_off == in_len) {
+                close(in_fd);
+                in_fd = -1;
+            }
+        }
+        if (!exited) {
+            pid_t w = waitpid(pid, &status, WNOHANG);
+            if (w == pid)
+                exited = 1;
+            else if (deadline && now_ms() >= deadline) {
+                kill(-pid, SIGKILL);
+                kill(pid, SIGKILL);
+                timed_out = 1;
+            }
+        } else {
+            if (out_open) drain(pout[0], &out);
+            if (err_open) drain(perr[0], &errb);
+            break;
+        }
+    }
+    if (in_fd >= 0)
+        close(in_fd);
+    close(pout[0]);
+    close(perr[0]);
+    while (waitpid(-1, NULL, WNOHANG) > 0)  /* PID 1 reaps orphans */
+        ;
+    int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    unsigned char h[16];
+    put32(h, (uint32_t)code);
+    put32(h + 4, (timed_out ? EXEC_TIMED_OUT : 0) |
+                 (out.truncated || errb.truncated ? EXEC_TRUNCATED : 0));
+    put32(h + 8, out.len);
+    put32(h + 12, errb.len);
+    send_frame(T_EXEC | T_REPLY, id, h, 16, out.data, out.len, errb.data, errb.len);
+    free(out.data);
+    free(errb.data);
+}
+
+/* ------------------------------------------------- detach and attach */
+
+/* Restoring the disk under a running guest: DETACH ends every process and
+ * unmounts the disk, the host rewrites the image, ATTACH drops whatever the
+ * guest still caches of the device and mounts it again. No reboot needed. */
+
+static int unmount_all(void)
+{
+    char path[512];
+    int err = 0;
+    for (int i = 2; i >= 0; i--) {
+        snprintf(path, sizeof path, "%s/%s", root, binds[i]);
+        umount2(path, MNT_DETACH);
+    }
+    for (int tries = 0; umount(root) < 0; tries++) {
+        if (errno == EINVAL)  /* not mounted */
+            break;
+        if (tries == 100) {
+            err = errno;
+            break;
+        }
+        usleep(20000);
+    }
+    return err;
+}
+
+static int do_detach(void)
+{
+    if (frozen)
+        thaw_root();
+    /* From PID 1, kill(-1) reaches every process but this one, and every
+     * orphan becomes our child: no children left means no processes left. */
+    for (int tries = 0; tries < 500; tries++) {
+        kill(-1, SIGKILL);
+        pid_t w;
+        while ((w = waitpid(-1, NULL, WNOHANG)) > 0)
+            ;
+        if (w < 0 && errno == ECHILD)
+            break;
+        usleep(2000);
+    }
+    sync();
+    return unmount_all();
+}
+
+static int do_attach(void)
+{
+    char path[512], line[256];
+    int fd = open(disk, O_RDONLY), err = ENODEV;
+    if (fd < 0)
+        return errno;
+    ioctl(fd, BLKFLSBUF, 0);  /* forget cached blocks of the old contents */
+    close(fd);
+    FILE *fs = fopen("/proc/filesystems", "r");
+    if (!fs)
+        return errno;
+    while (fgets(line, sizeof line, fs)) {
+        if (!strncmp(line, "nodev", 5))
+            continue;
+        line[strcspn(line, "\n")] = 0;
+        const char *type = line + strspn(line, " \t");
+        if (mount(disk, root, type, 0, NULL) == 0) {
+            err = 0;
+            break;
+        }
+    }
+    fclose(fs);
+    if (err)
+        return err;
+    for (int i = 0; i < 3; i++) {
+        char src[64];
+        snprintf(path, sizeof path, "%s/%s", root, binds[i]);
+        snprintf(src, sizeof src, "/%s", binds[i]);
+        mkdir(path, 0755);
+        if (mount(src, path, NULL, MS_BIND, NULL) < 0)
+            return errno;
+    }
+    return 0;
+}
+
+/* ----------------------------------------------------------- shut down */
+
+static void power_off(void)
+{
+    sync();
+    kill(-1, SIGKILL);
+    unmount_all();
+    sync();
+    reboot(RB_POWER_OFF);
+    _exit(0);
+}
+
+/* ---------------------------------------------------------------- main */
+
+int main(int argc, char **argv)
+{
+    char path[512];
+    if (argc > 1)
+        root = argv[1];
+    if (argc > 2)
+        disk = argv[2];
+    signal(SIGPIPE, SIG_IGN);
+    for (int tries = 0; !find_port(path, sizeof path); tries++) {
+        if (tries == 100)
+            logmsg("%s", "waiting for the virtio-serial port " PORT_NAME);
+        usleep(50000);
+    }
+    for (;;) {
+        port = open(path, O_RDWR | O_NONBLOCK | O_CLOEXEC);
+        if (port >= 0)
+            break;
+        usleep(50000);
+    }
+    logmsg("ready on %s", path);
+
+    unsigned char h[16];
+    for (;;) {
+        if (read_full(h, 4) < 0)
+            break;
+        /* Resynchronise on the magic: a host that died mid-frame leaves a
+         * partial frame behind. */
+        while (memcmp(h, "BDA1", 4)) {
+            memmove(h, h + 1, 3);
+            if (read_full(h + 3, 1) < 0)
+                goto out;
+        }
+        if (read_full(h + 4, 12) < 0)
+            break;
+        int type = h[4];
+        uint32_t id = get32(h + 8), len = get32(h + 12);
+        if (len > MAX_PAYLOAD) {
+            send_error(id, "request too large");
+            continue;
+        }
+        unsigned char *p = malloc(len ? len : 1);
+        if (!p || read_full(p, len) < 0) {
+            free(p);
+            send_error(id, "out of memory");
+            continue;
+        }
+        switch (type) {
+        case T_PING:
+            send_frame(T_PING | T_REPLY, id, AGENT_VERSION, strlen(AGENT_VERSION), NULL, 0,
+                       NULL, 0);
+            break;
+        case T_EXEC:
+            do_exec(id, p, len);
+            break;
+        case T_SYNC:
+            send_status(T_SYNC, id, sync_root());
+            break;
+        case T_FREEZE: {
+            int err = sync_root();
+            if (!err)
+                err = freeze_root();
+            if (!err) {
+                frozen = 1;
+                thaw_deadline_ms = now_ms() + (len >= 4 ? get32(p) : 30000);
+            }
+            send_status(T_FREEZE, id, err);
+            break;
+        }
+        case T_THAW:
+            send_status(T_THAW, id, thaw_root());
+            break;
+        case T_DETACH:
+            send_status(T_DETACH, id, do_detach());
+            break;
+        case T_ATTACH:
+            send_status(T_ATTACH, id, do_attach());
+            break;
+        case T_SHUTDOWN:
+            send_status(T_SHUTDOWN, id, 0);
+            if (frozen)
+                thaw_root();
+            power_off();
+            break;
+        default:
+            send_error(id, "unknown request type");
+        }
+        free(p);
+    }
+out:
+    logmsg("%s", "the port failed; powering off");
+    power_off();
+    return 1;
+}

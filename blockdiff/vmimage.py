@@ -1,0 +1,357 @@
+"""Build a small bootable sandbox VM from Debian packages, reproducibly.
+
+Output, in one directory:
+
+- ``vmlinuz``: a Debian kernel (by default ``linux-image-cloud-amd64``),
+  fetched with ``apt-get download`` and unpacked with ``dpkg-deb``;
+- ``initrd.img``: a gzip'd cpio archive written here byte for byte (no root,
+  no mounts): static busybox, the blockdiff guest agent compiled statically
+  from ``guest/agent.c``, the virtio modules the kernel lacks in dependency
+  order, and ``guest/init``, which mounts the sandbox disk and starts the agent;
+- ``rootfs.img``: a sparse raw ext4 disk made with ``mkfs.ext4 -d`` from a
+  busybox tree: a sandbox disk to start from;
+- ``manifest.json``: what went in, with a key over every input. A build whose
+  key matches the manifest is skipped, so the directory is a cache.
+
+The kernel and initramfs are the sandbox's "firmware": commands run chrooted
+into whatever disk the VM has, so any raw image of a filesystem the kernel
+knows (ext4, xfs, btrfs) can be a sandbox disk with nothing installed on it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import shutil
+import struct
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from blockdiff.errors import BlockdiffError
+
+BUILDER_VERSION = 1
+GUEST_DIR = Path(__file__).with_name("guest")
+DEFAULT_KERNEL_PACKAGE = "linux-image-cloud-amd64"
+BUSYBOX_PACKAGE = "busybox-static"
+DEFAULT_DISK_SIZE = 1 << 30
+# What the guest needs beyond a cloud kernel's built-ins: the PCI transport,
+# the disk and the agent's virtio-serial port.
+GUEST_MODULES = ("virtio_pci", "virtio_blk", "virtio_console")
+FILES = ("vmlinuz", "initrd.img", "rootfs.img")
+# Fixed so that two builds of the same inputs give the same disk.
+ROOTFS_UUID = "6b1d4f0e-5a5e-4b1d-9d1f-b10cd1ff0001"
+FAKE_TIME = "1700000000"
+
+
+class ImageBuildError(BlockdiffError):
+    exit_code = 8
+
+
+@dataclass(frozen=True)
+class Package:
+    name: str
+    version: str
+    sha256: str
+
+
+def _run(cmd: list[str], what: str, **kwargs) -> str:
+    try:
+        done = subprocess.run(cmd, check=True, capture_output=True, text=True, **kwargs)
+    except FileNotFoundError:
+        raise ImageBuildError(f"{what}: {cmd[0]} is not installed; install it "
+                              f"(Debian: apt-get install {_provider(cmd[0])})") from None
+    except subprocess.CalledProcessError as e:
+        detail = (e.stderr or e.stdout or "").strip().splitlines()
+        raise ImageBuildError(f"{what} failed: {detail[-1] if detail else e}") from None
+    return done.stdout
+
+
+def _provider(tool: str) -> str:
+    return {"apt-get": "apt", "apt-cache": "apt", "dpkg-deb": "dpkg", "gcc": "gcc libc6-dev",
+            "mkfs.ext4": "e2fsprogs"}.get(tool, tool)
+
+
+# ------------------------------------------------------------ packages
+
+
+def candidate(name: str) -> Package:
+    """The version apt would download for ``name``. A kernel metapackage
+    resolves to the kernel it depends on (``linux-image-cloud-amd64`` → the
+    versioned ``linux-image-6.1.0-…-cloud-amd64``)."""
+    fields = _fields(_run(["apt-cache", "show", "--no-all-versions", name],
+                          f"looking up {name} (run apt-get update if apt knows no packages)"))
+    if "Version" not in fields:
+        raise ImageBuildError(f"apt knows no package {name}; run apt-get update or check the name")
+    for dep in fields.get("Depends", "").split(","):
+        dep = dep.split("(")[0].split("|")[0].strip()
+        if name.startswith("linux-image-") and dep.startswith("linux-image-"):
+            return candidate(dep)
+    return Package(name, fields["Version"], fields.get("SHA256", ""))
+
+
+def _fields(control: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in control.splitlines():
+        if line and not line[0].isspace() and ":" in line:
+            key, _, value = line.partition(":")
+            out.setdefault(key, value.strip())
+    return out
+
+
+def download(pkg: Package, cache: Path) -> Path:
+    """The package's .deb in ``cache``, downloaded unless already there and intact."""
+    cache.mkdir(parents=True, exist_ok=True)
+    for deb in cache.glob(f"{pkg.name}_*.deb"):
+        if _sha256(deb) == pkg.sha256:
+            return deb
+        deb.unlink()
+    _run(["apt-get", "download", "-q", f"{pkg.name}={pkg.version}"], f"downloading {pkg.name}",
+         cwd=cache)
+    debs = [d for d in cache.glob(f"{pkg.name}_*.deb") if _sha256(d) == pkg.sha256]
+    if not debs:
+        raise ImageBuildError(f"downloaded {pkg.name} does not match apt's checksum; "
+                              f"run apt-get update and build again")
+    return debs[0]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------- modules
+
+
+def modinfo(ko: Path) -> dict[str, str]:
+    """The ``.modinfo`` section of a kernel module (an ELF64 object)."""
+    data = ko.read_bytes()
+    if data[:4] != b"\x7fELF" or data[4] != 2:
+        raise ImageBuildError(f"{ko} is not a 64-bit kernel module")
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+
+    def section(i):
+        name, _type, _flags, _addr, offset, size = struct.unpack_from(
+            "<IIQQQQ", data, shoff + i * shentsize)
+        return name, offset, size
+
+    _, stroff, _ = section(shstrndx)
+    for i in range(shnum):
+        name, offset, size = section(i)
+        if data[stroff + name:data.index(b"\0", stroff + name)] == b".modinfo":
+            info: dict[str, str] = {}
+            for item in data[offset:offset + size].split(b"\0"):
+                key, eq, value = item.decode(errors="replace").partition("=")
+                if eq:
+                    info.setdefault(key, value)
+            return info
+    return {}
+
+
+def module_load_order(modules_dir: Path, wanted=GUEST_MODULES) -> list[Path]:
+    """The ``.ko`` files for ``wanted`` and everything they depend on, each
+    after its dependencies. A wanted module with no file is taken to be built
+    into the kernel."""
+    index = {ko.name.split(".ko")[0].replace("-", "_"): ko for ko in modules_dir.rglob("*.ko")}
+    order: list[Path] = []
+    seen: set[str] = set()
+
+    def visit(name: str, chain: tuple[str, ...]) -> None:
+        if name in seen:
+            return
+        if name in chain:
+            raise ImageBuildError(f"kernel modules depend on each other in a cycle: {chain}")
+        ko = index.get(name)
+        if ko is None:
+            return
+        for dep in filter(None, modinfo(ko).get("depends", "").split(",")):
+            visit(dep.replace("-", "_"), chain + (name,))
+        seen.add(name)
+        order.append(ko)
+
+    for name in wanted:
+        visit(name, ())
+    return order
+
+
+# ----------------------------------------------------------- initramfs
+
+
+class Cpio:
+    """A newc cpio archive, written deterministically: fixed times and owners."""
+
+    def __init__(self):
+        self.out = io.BytesIO()
+        self.ino = 1
+
+    def _entry(self, name: str, mode: int, data: bytes = b"", rdev: tuple[int, int] = (0, 0)):
+        encoded = name.encode() + b"\0"
+        fields = (self.ino, mode, 0, 0, 1, 0, len(data), 0, 0, rdev[0], rdev[1], len(encoded), 0)
+        self.ino += 1
+        self.out.write(b"070701" + b"".join(b"%08X" % f for f in fields) + encoded)
+        self.out.write(b"\0" * (-(110 + len(encoded)) % 4))
+        self.out.write(data + b"\0" * (-len(data) % 4))
+
+    def directory(self, name: str) -> None:
+        self._entry(name, 0o040755)
+
+    def file(self, name: str, data: bytes, mode: int = 0o755) -> None:
+        self._entry(name, 0o100000 | mode, data)
+
+    def char_device(self, name: str, major: int, minor: int) -> None:
+        self._entry(name, 0o020600, rdev=(major, minor))
+
+    def finish(self) -> bytes:
+        self._entry("TRAILER!!!", 0)
+        self.out.write(b"\0" * (-self.out.tell() % 512))
+        return self.out.getvalue()
+
+
+def make_initramfs(busybox: Path, agent: Path, modules: list[Path]) -> bytes:
+    cpio = Cpio()
+    for d in ("bin", "sbin", "dev", "proc", "sys", "mnt", "lib", "lib/modules"):
+        cpio.directory(d)
+    # The kernel opens /dev/console before init runs: without the node the
+    # init script's messages would never reach the console log.
+    cpio.char_device("dev/console", 5, 1)
+    cpio.file("bin/busybox", busybox.read_bytes())
+    cpio.file("init", (GUEST_DIR / "init").read_bytes())
+    cpio.file("sbin/blockdiff-agent", agent.read_bytes())
+    for ko in modules:
+        cpio.file(f"lib/modules/{ko.name}", ko.read_bytes(), 0o644)
+    cpio.file("lib/modules/load-order", "".join(f"{ko.name}\n" for ko in modules).encode(), 0o644)
+    raw = cpio.finish()
+    buf = io.BytesIO()
+    with gzip.GzipFile(fileobj=buf, mode="wb", compresslevel=6, mtime=0) as gz:
+        gz.write(raw)
+    return buf.getvalue()
+
+
+def compile_agent(out: Path) -> None:
+    _run(["gcc", "-static", "-Os", "-Wall", "-o", str(out), str(GUEST_DIR / "agent.c")],
+         "compiling the guest agent (needs gcc and libc6-dev for static linking)")
+
+
+# -------------------------------------------------------------- rootfs
+
+
+def make_rootfs(busybox: Path, out: Path, size: int, workdir: Path) -> None:
+    tree = workdir / "rootfs"
+    for d in ("bin", "sbin", "usr/bin", "usr/sbin", "etc", "root", "home", "proc", "sys",
+              "dev", "var", "mnt"):
+        (tree / d).mkdir(parents=True, exist_ok=True)
+    (tree / "tmp").mkdir(mode=0o1777)
+    os.chmod(tree / "tmp", 0o1777)
+    shutil.copy(busybox, tree / "bin/busybox")
+    os.chmod(tree / "bin/busybox", 0o755)
+    for applet in _run([str(busybox), "--list-full"], "listing busybox applets").split():
+        link = tree / applet
+        if applet != "bin/busybox" and not link.exists():
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(os.path.relpath(tree / "bin/busybox", link.parent))
+    (tree / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+    (tree / "etc/group").write_text("root:x:0:\n")
+    (tree / "etc/hostname").write_text("sandbox\n")
+    (tree / "etc/profile").write_text("export PATH=/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin\n")
+    env = dict(os.environ, E2FSPROGS_FAKE_TIME=FAKE_TIME)
+    _run(["mkfs.ext4", "-q", "-F", "-L", "sandbox", "-U", ROOTFS_UUID,
+          "-E", f"hash_seed={ROOTFS_UUID},root_owner=0:0", "-d", str(tree), str(out),
+          f"{size // 1024}k"], "making the ext4 root disk", env=env)
+
+
+# --------------------------------------------------------------- build
+
+
+@dataclass(frozen=True)
+class BuiltImage:
+    directory: Path
+    manifest: dict
+    cached: bool
+
+    @property
+    def kernel(self) -> Path:
+        return self.directory / "vmlinuz"
+
+    @property
+    def initrd(self) -> Path:
+        return self.directory / "initrd.img"
+
+    @property
+    def rootfs(self) -> Path:
+        return self.directory / "rootfs.img"
+
+
+def _inputs_key(kernel: Package, busybox: Package, disk_size: int) -> str:
+    h = hashlib.sha256(f"builder {BUILDER_VERSION}\n".encode())
+    for part in (GUEST_DIR / "agent.c", GUEST_DIR / "init"):
+        h.update(part.read_bytes())
+    h.update(json.dumps([kernel.__dict__, busybox.__dict__, disk_size, GUEST_MODULES]).encode())
+    return h.hexdigest()
+
+
+def read_manifest(directory: str | os.PathLike) -> dict | None:
+    try:
+        manifest = json.loads((Path(directory) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not all((Path(directory) / f).is_file() for f in FILES):
+        return None
+    return manifest
+
+
+def build_image(directory: str | os.PathLike, *, kernel_package: str = DEFAULT_KERNEL_PACKAGE,
+                disk_size: int = DEFAULT_DISK_SIZE, force: bool = False) -> BuiltImage:
+    """Build (or find already built) the VM image in ``directory``."""
+    directory = Path(directory)
+    if disk_size < 16 << 20:
+        raise ImageBuildError("the root disk needs at least 16 MiB")
+    kernel = candidate(kernel_package)
+    busybox_pkg = candidate(BUSYBOX_PACKAGE)
+    key = _inputs_key(kernel, busybox_pkg, disk_size)
+    manifest = read_manifest(directory)
+    if manifest and manifest.get("key") == key and not force:
+        return BuiltImage(directory, manifest, cached=True)
+
+    directory.mkdir(parents=True, exist_ok=True)
+    cache = directory / ".debs"
+    kernel_deb, busybox_deb = download(kernel, cache), download(busybox_pkg, cache)
+    with tempfile.TemporaryDirectory(prefix=".build-", dir=directory) as tmp:
+        work = Path(tmp)
+        _run(["dpkg-deb", "-x", str(kernel_deb), str(work / "kernel")], "unpacking the kernel")
+        _run(["dpkg-deb", "-x", str(busybox_deb), str(work / "busybox")], "unpacking busybox")
+        vmlinuz = sorted((work / "kernel/boot").glob("vmlinuz-*"))
+        module_dirs = sorted((work / "kernel/lib/modules").glob("*"))
+        if not vmlinuz or not module_dirs:
+            raise ImageBuildError(f"{kernel.name} has no /boot/vmlinuz-* and /lib/modules; "
+                                  f"pick a Debian kernel image package")
+        modules = module_load_order(module_dirs[0])
+        busybox = work / "busybox/bin/busybox"
+        agent = work / "blockdiff-agent"
+        compile_agent(agent)
+        (work / "initrd.img").write_bytes(make_initramfs(busybox, agent, modules))
+        shutil.copyfile(vmlinuz[0], work / "vmlinuz")
+        make_rootfs(busybox, work / "rootfs.img", disk_size, work)
+        manifest = {
+            "key": key,
+            "builder": BUILDER_VERSION,
+            "kernel": kernel.__dict__ | {"release": module_dirs[0].name},
+            "busybox": busybox_pkg.__dict__,
+            "modules": [ko.name for ko in modules],
+            "disk_size": disk_size,
+            "sha256": {f: _sha256(work / f) for f in FILES},
+        }
+        (directory / "manifest.json").unlink(missing_ok=True)
+        for f in FILES:
+            os.replace(work / f, directory / f)
+        tmp_manifest = work / "manifest.json"
+        tmp_manifest.write_text(json.dumps(manifest, indent=2) + "\n")
+        os.replace(tmp_manifest, directory / "manifest.json")
+    return BuiltImage(directory, manifest, cached=False)
