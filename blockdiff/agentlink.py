@@ -35,6 +35,8 @@ HEADER = struct.Struct("<4sBBHII")
 PING, EXEC, FREEZE, THAW, SYNC, SHUTDOWN, DETACH, ATTACH = 1, 2, 3, 4, 5, 6, 7, 8
 REPLY, ERROR = 0x80, 0xFF
 TIMED_OUT, TRUNCATED = 1, 2
+# How long past a command's own timeout the host waits for the guest's answer.
+ANSWER_GRACE = 5.0
 
 
 class GuestError(BlockdiffError):
@@ -102,6 +104,8 @@ class AgentLink:
                 chunk = self.sock.recv(max(1 << 16, n - len(self._pending)))
             except TimeoutError:
                 continue
+            except OSError:
+                chunk = b""
             if not chunk:
                 raise GuestError(f"the VM closed the agent channel during {what}; "
                                  f"did QEMU exit? (see its console.log)")
@@ -109,10 +113,22 @@ class AgentLink:
         out, self._pending = self._pending[:n], self._pending[n:]
         return out
 
-    def request(self, kind: int, payload: bytes, timeout: float, what: str) -> bytes:
+    def send(self, kind: int, payload: bytes = b"") -> int:
+        """Send a request without waiting for its answer; returns its id."""
         request_id = next(self._ids) & 0xFFFFFFFF
+        try:
+            self.sock.sendall(HEADER.pack(MAGIC, kind, 0, 0, request_id, len(payload)) + payload)
+        except TimeoutError:
+            raise GuestTimeout("the guest agent is not reading its channel; "
+                               "it may be hung (see its console.log)") from None
+        except OSError as e:
+            raise GuestError(f"the VM closed the agent channel ({e.strerror}); "
+                             f"did QEMU exit? (see its console.log)") from None
+        return request_id
+
+    def request(self, kind: int, payload: bytes, timeout: float, what: str) -> bytes:
         self.sock.settimeout(timeout)
-        self.sock.sendall(HEADER.pack(MAGIC, kind, 0, 0, request_id, len(payload)) + payload)
+        request_id = self.send(kind, payload)
         deadline = time.monotonic() + timeout
         while True:
             magic, rtype, _, _, rid, length = HEADER.unpack(
@@ -148,7 +164,7 @@ class AgentLink:
         strings = b"".join(a.encode() + b"\0" for a in argv) + cwd.encode() + b"\0"
         timeout_ms = int(timeout * 1000) if timeout else 0
         payload = struct.pack("<IIII", timeout_ms, len(argv), len(stdin), 0) + strings + stdin
-        wait = (timeout + 10.0) if timeout else 365 * 86400.0
+        wait = (timeout + ANSWER_GRACE) if timeout else 365 * 86400.0
         body = self.request(EXEC, payload, wait, f"the command {argv[0]!r}")
         status, flags, n_out, n_err = struct.unpack_from("<iIII", body)
         out = body[16:16 + n_out]

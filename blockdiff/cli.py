@@ -217,6 +217,16 @@ def _duration(value: str | None) -> float | None:
         raise click.BadParameter(f"{value!r} is not a duration (e.g. 90s, 15m, 2h, 7d)")
 
 
+def _pairs(items) -> dict[str, str]:
+    pairs = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--meta")
+        pairs[key] = value
+    return pairs
+
+
 @main.command()
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option("--allow-copy", is_flag=True,
@@ -254,14 +264,8 @@ def commit(store_path, image, parent, message, meta, ttl, skip_unchanged):
     Example:
       blockdiff commit --store S disk.img -m "pip install" --meta step=3
     """
-    pairs = {}
-    for item in meta:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--meta")
-        pairs[key] = value
     with _open_store(store_path) as store:
-        snap = store.commit(image, parent=parent, message=message, meta=pairs,
+        snap = store.commit(image, parent=parent, message=message, meta=_pairs(meta),
                             ttl=_duration(ttl), skip_unchanged=skip_unchanged)
     click.echo(snap.id)
 
@@ -499,3 +503,187 @@ def compact(store_path, snapshot_id):
         snap = store.compact(snapshot_id)
         after = len(store.load_map(snap).pieces)
     click.echo(f"{snapshot_id}: {before} pieces -> {after}")
+
+
+# ------------------------------------------------------------- sandboxes
+
+@main.group()
+def vm():
+    """Sandbox VMs (QEMU) whose disks are snapshotted into a store."""
+
+
+def _sandbox(store_path, name):
+    from blockdiff.sandbox import Sandbox
+
+    return Sandbox(_open_store(store_path), name)
+
+
+@vm.command("build-image")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--kernel-package", default="linux-image-cloud-amd64", show_default=True,
+              help="Debian kernel package to boot.")
+@click.option("--disk-size", default=1024, show_default=True, help="Root disk size in MiB.")
+@click.option("--force", is_flag=True, help="Rebuild even if the inputs have not changed.")
+@reports_errors
+def vm_build_image(directory, kernel_package, disk_size, force):
+    """Build a bootable sandbox image in DIRECTORY from Debian packages.
+
+    Writes vmlinuz, initrd.img, rootfs.img (raw ext4) and manifest.json. Cached:
+    nothing is rebuilt while the inputs stay the same.
+
+    \b
+    Example:
+      blockdiff vm build-image ~/.cache/blockdiff/vm
+    """
+    from blockdiff.vmimage import build_image
+
+    built = build_image(directory, kernel_package=kernel_package,
+                        disk_size=disk_size * 1024 * 1024, force=force)
+    kernel = built.manifest["kernel"]
+    click.echo(f"{directory}: {'up to date' if built.cached else 'built'} "
+               f"(kernel {kernel['release']}, {kernel['name']} {kernel['version']})")
+
+
+@vm.command("create")
+@click.argument("name")
+@store_option
+@click.option("--image", type=click.Path(dir_okay=False, exists=True),
+              help="Raw disk image to start from (copied; reflinked when it can be).")
+@click.option("--from", "snapshot_id", metavar="ID", help="Store snapshot to start from.")
+@click.option("--kernel", type=click.Path(file_okay=False, exists=True),
+              help="Directory with vmlinuz and initrd.img (default: the image's directory, "
+                   "or the kernel the snapshot was taken with).")
+@click.option("--memory", default=256, show_default=True, help="Memory in MiB.")
+@click.option("--cpus", default=1, show_default=True)
+@reports_errors
+def vm_create(name, store_path, image, snapshot_id, kernel, memory, cpus):
+    """Make sandbox VM NAME (stopped) from a raw image or a snapshot.
+
+    \b
+    Example:
+      blockdiff vm create box --store S --image vm/rootfs.img
+      blockdiff vm create box2 --store S --from 3f2a9c0d1e2b4a5c
+    """
+    from blockdiff.sandbox import Sandbox
+
+    Sandbox.create(_open_store(store_path), name, image=image, snapshot=snapshot_id,
+                   kernel=kernel, memory_mb=memory, cpus=cpus)
+    click.echo(f"created VM {name}")
+
+
+@vm.command("start")
+@click.argument("name")
+@store_option
+@click.option("--timeout", default=120.0, show_default=True, help="Seconds to wait for the boot.")
+@reports_errors
+def vm_start(name, store_path, timeout):
+    """Boot VM NAME in the background; return when it runs commands."""
+    box = _sandbox(store_path, name)
+    box.start(timeout=timeout)
+    click.echo(f"VM {name} running ({box.status().accel})")
+
+
+@vm.command("exec", context_settings={"ignore_unknown_options": True})
+@click.argument("name")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@store_option
+@click.option("--timeout", type=float, help="Kill the command after this many seconds.")
+@click.option("-i", "--stdin", "pass_stdin", is_flag=True, help="Pass this process's stdin.")
+@click.option("--cwd", default="/", show_default=True, help="Directory to run in.")
+@reports_errors
+def vm_exec(name, command, store_path, timeout, pass_stdin, cwd):
+    """Run COMMAND in VM NAME; exit with its status.
+
+    \b
+    Example:
+      blockdiff vm exec box -- sh -c 'echo hello > /root/greeting'
+    """
+    data = sys.stdin.buffer.read() if pass_stdin else b""
+    result = _sandbox(store_path, name).exec(list(command), timeout=timeout, input=data, cwd=cwd)
+    sys.stdout.buffer.write(result.stdout)
+    sys.stdout.flush()
+    sys.stderr.buffer.write(result.stderr)
+    if result.truncated:
+        click.echo("blockdiff: output was cut at 16 MiB per stream", err=True)
+    if result.timed_out:
+        _fail(f"{command[0]} was killed after {timeout:g} s", 124)
+    sys.exit(result.status)
+
+
+@vm.command("snapshot")
+@click.argument("name")
+@store_option
+@click.option("-m", "--message", default="", help="What this step did.")
+@click.option("--meta", multiple=True, metavar="KEY=VALUE", help="Metadata; repeatable.")
+@click.option("--ttl", help="Expire after this long (e.g. 30m, 2h, 7d).")
+@reports_errors
+def vm_snapshot(name, store_path, message, meta, ttl):
+    """Snapshot VM NAME's disk (pausing it briefly); print the id last."""
+    box = _sandbox(store_path, name)
+    snapshot_id = box.checkpoint(message, _pairs(meta), ttl=_duration(ttl))
+    if box.last_checkpoint:
+        t = box.last_checkpoint
+        click.echo(f"paused {t.paused * 1000:.1f} ms (freeze {t.freeze * 1000:.1f} ms)")
+    click.echo(snapshot_id)
+
+
+@vm.command("restore")
+@click.argument("name")
+@click.argument("snapshot_id", metavar="ID")
+@store_option
+@reports_errors
+def vm_restore(name, snapshot_id, store_path):
+    """Put VM NAME's disk back to snapshot ID (a running VM keeps running)."""
+    result = _sandbox(store_path, name).restore(snapshot_id)
+    how = "rebooted" if result.rebooted else "running"
+    click.echo(f"VM {name} at {snapshot_id} ({how}, {result.seconds * 1000:.0f} ms)")
+
+
+@vm.command("fork")
+@click.argument("name")
+@click.argument("snapshot_id", metavar="ID")
+@click.argument("new_name", metavar="NEWNAME")
+@store_option
+@click.option("--no-start", is_flag=True, help="Leave the new VM stopped.")
+@reports_errors
+def vm_fork(name, snapshot_id, new_name, store_path, no_start):
+    """Make VM NEWNAME, like NAME, from snapshot ID, and start it."""
+    _sandbox(store_path, name).fork(snapshot_id, new_name, start=not no_start)
+    click.echo(f"VM {new_name} forked from {snapshot_id}" + ("" if no_start else ", running"))
+
+
+@vm.command("stop")
+@click.argument("name")
+@store_option
+@reports_errors
+def vm_stop(name, store_path):
+    """Shut VM NAME down."""
+    _sandbox(store_path, name).stop()
+    click.echo(f"VM {name} stopped")
+
+
+@vm.command("rm")
+@click.argument("name")
+@store_option
+@reports_errors
+def vm_rm(name, store_path):
+    """Stop VM NAME and delete it; its snapshots stay in the store."""
+    _sandbox(store_path, name).destroy()
+    click.echo(f"removed VM {name}")
+
+
+@vm.command("ls")
+@store_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@reports_errors
+def vm_ls(store_path, as_json):
+    """List the store's VMs: state, accelerator, the snapshot each descends from."""
+    from blockdiff.sandbox import Sandbox
+
+    statuses = [box.status() for box in Sandbox.list(_open_store(store_path))]
+    if as_json:
+        click.echo(json.dumps([s.__dict__ for s in statuses], indent=2))
+        return
+    for s in statuses:
+        state = f"running (pid {s.pid}, {s.accel})" if s.running else "stopped"
+        click.echo(f"{s.name:20} {state:28} {s.snapshot or '-'}")

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blockdiff import native
-from blockdiff.agentlink import AgentLink, ExecResult, GuestError, GuestTimeout
+from blockdiff.agentlink import THAW, AgentLink, ExecResult, GuestError, GuestTimeout
 from blockdiff.errors import UsageError
 from blockdiff.qemu import QMP, Launch, VMError, choose_accel
 from blockdiff.store import Store, open_store
@@ -112,6 +112,9 @@ class Sandbox:
         self.config = json.loads((self.directory / "vm.json").read_text())
         self.disk = self.directory / "disk.img"
         self.ephemeral = False
+        # Seconds to wait for the guest agent's answer to a freeze, a thaw or
+        # a detach before treating the guest as unresponsive.
+        self.guest_timeout = 30.0
         self.last_checkpoint: CheckpointTiming | None = None
         self.last_restore: RestoreTiming | None = None
 
@@ -338,10 +341,14 @@ class Sandbox:
             start = time.monotonic()
             with self._dir_fd() as fd, AgentLink("agent.sock", dir_fd=fd) as link:
                 try:
-                    link.freeze(auto_thaw=60.0)
+                    link.freeze(auto_thaw=60.0, timeout=self.guest_timeout)
                     meta["vm.flush"] = "fsfreeze"
                 except GuestError:
                     meta["vm.flush"] = "none: the guest agent did not answer"
+                    # Should the freeze still arrive, the thaw queued behind it
+                    # undoes it.
+                    with contextlib.suppress(GuestError):
+                        link.send(THAW)
                 frozen = time.monotonic()
                 try:
                     with self.qmp() as q:
@@ -355,7 +362,7 @@ class Sandbox:
                             resumed = time.monotonic()
                 finally:
                     if meta["vm.flush"] == "fsfreeze":
-                        link.thaw()
+                        link.thaw(timeout=self.guest_timeout)
             self.last_checkpoint = CheckpointTiming(frozen - start, resumed - paused,
                                                     time.monotonic() - start)
             return snap.id
@@ -385,14 +392,14 @@ class Sandbox:
             return False
         try:
             with self._dir_fd() as fd, AgentLink("agent.sock", dir_fd=fd) as link:
-                link.detach()
+                link.detach(timeout=self.guest_timeout)
                 with self.qmp() as q:
                     q.command("stop")
                     try:
                         self.store.restore(snap.id, self.disk)
                     finally:
                         q.command("cont")
-                link.attach()
+                link.attach(timeout=self.guest_timeout)
         except GuestError:
             return False
         return True

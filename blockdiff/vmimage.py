@@ -261,10 +261,19 @@ def make_rootfs(busybox: Path, out: Path, size: int, workdir: Path) -> None:
     (tree / "etc/group").write_text("root:x:0:\n")
     (tree / "etc/hostname").write_text("sandbox\n")
     (tree / "etc/profile").write_text("export PATH=/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin\n")
+    # mkfs.ext4 -d copies each file's times: fix them for a reproducible disk.
+    for path in [tree, *tree.rglob("*")]:
+        os.utime(path, (int(FAKE_TIME), int(FAKE_TIME)), follow_symlinks=False)
     env = dict(os.environ, E2FSPROGS_FAKE_TIME=FAKE_TIME)
     _run(["mkfs.ext4", "-q", "-F", "-L", "sandbox", "-U", ROOTFS_UUID,
           "-E", f"hash_seed={ROOTFS_UUID},root_owner=0:0", "-d", str(tree), str(out),
           f"{size // 1024}k"], "making the ext4 root disk", env=env)
+    # Inode change times come from the tree and cannot be set there: set them
+    # in the image.
+    script = workdir / "ctimes.debugfs"
+    script.write_text("".join(f"sif /{p.relative_to(tree)} ctime {FAKE_TIME}\n"
+                              for p in sorted(tree.rglob("*"))) + f"sif / ctime {FAKE_TIME}\n")
+    _run(["debugfs", "-w", "-f", str(script), str(out)], "fixing times in the root disk", env=env)
 
 
 # --------------------------------------------------------------- build

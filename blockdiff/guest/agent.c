@@ -278,6 +278,12 @@ static void child(char **argv, const char *cwd, int in, int out, int err)
     dup2(err, 2);
     setsid();
     signal(SIGPIPE, SIG_DFL);
+    /* A login-like environment of the disk's system, not the initramfs's. */
+    clearenv();
+    setenv("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", 1);
+    setenv("HOME", "/root", 1);
+    setenv("USER", "root", 1);
+    setenv("LOGNAME", "root", 1);
     if (chroot(root) < 0 || chdir(cwd[0] ? cwd : "/") < 0) {
         dprintf(2, "blockdiff-agent: cannot enter %s (%s): %s\n", root, cwd, strerror(errno));
         _exit(126);
