@@ -1,7 +1,9 @@
 """The main job, end to end, on an embedded default: commit a VM disk image to
 a snapshot store after every agent step, then restore a step in place, fork
 two branches from another, and carry snapshots to a second store on another
-filesystem as a new host would.
+filesystem as a new host would. Then the same with a real sandbox VM: an
+agent's commands run in a QEMU guest, the VM is checkpointed after each step,
+put back to an earlier step while it runs, and forked.
 
 Runs on a scratch XFS made on a loop device (or in a directory you give on a
 reflink filesystem). Every restore and fork is checked byte for byte against a
@@ -98,11 +100,14 @@ def _make_disk(path: Path, size: int, rng: random.Random) -> None:
 
 
 def run(workdir: str | os.PathLike | None = None, *, size: int = 512 * MiB, steps: int = 6,
-        seed: int = 1, report: Callable[[Event], None] = lambda e: None) -> list[Event]:
+        seed: int = 1, vm: bool = True, vm_image: str | os.PathLike | None = None,
+        report: Callable[[Event], None] = lambda e: None) -> list[Event]:
     """Run the demo; returns (and reports as they happen) its events.
 
     Without ``workdir`` it makes a scratch XFS on a loop device (needs root).
-    Raises ``AssertionError`` if any restore differs from what was snapshotted.
+    With ``vm``, a sandbox VM built into ``vm_image`` (default: a cache
+    directory) runs agent steps too. Raises ``AssertionError`` if any restore
+    differs from what was snapshotted.
     """
     from blockdiff.store import Store
     from blockdiff.view import render_tree
@@ -199,5 +204,68 @@ def run(workdir: str | os.PathLike | None = None, *, size: int = 512 * MiB, step
         with open(root / "full-copy.img", "rb") as f:
             os.fsync(f.fileno())
         emit("for comparison: one full copy of the disk", time.perf_counter() - start)
+        if vm:
+            _sandbox_steps(store, root, vm_image, emit, timed)
         emit("all snapshots, restores and forks verified byte for byte")
     return events
+
+
+# What an agent does in its sandbox, step by step: a shell command each.
+GUEST_STEPS = [
+    ("write a project", "mkdir -p /work && cd /work && "
+                        "printf 'print(\"hello\")\\n' > app.py && echo v1 > VERSION"),
+    ("install dependencies", "mkdir -p /work/deps && head -c 8388608 /dev/urandom > "
+                             "/work/deps/lib.so && echo v2 > /work/VERSION"),
+    ("a bad refactor", "rm -rf /work/deps && echo broken > /work/app.py && "
+                       "echo v3 > /work/VERSION"),
+]
+GUEST_STATE = "cd /work && find . -type f | sort | xargs md5sum"
+
+
+def _sandbox_steps(store, root: Path, image_dir, emit, timed) -> None:
+    """Agent steps in a real QEMU guest, checkpointed, restored and forked."""
+    import shutil
+
+    from blockdiff.qemu import QEMU
+    from blockdiff.sandbox import Sandbox
+    from blockdiff.vmimage import build_image
+
+    if shutil.which(QEMU) is None:
+        emit(f"sandbox VM: skipped, {QEMU} is not installed (bash .ci/setup installs it)")
+        return
+    image_dir = Path(image_dir) if image_dir else (
+        Path.home() / ".cache" / "blockdiff" / "vm-image")
+    image, seconds = timed(lambda: build_image(image_dir))
+    emit("sandbox VM image " + ("(cached)" if image.cached else "built from Debian packages"),
+         seconds, f"{image_dir}: kernel {image.manifest['kernel']['release']}, busybox, agent")
+    with contextlib.ExitStack() as stack:
+        box = stack.enter_context(Sandbox.create(store, "agent", image=image.rootfs))
+        _, seconds = timed(box.start)
+        emit(f"boot the sandbox VM ({box.status().accel})", seconds)
+        ids, states = [], []
+        for what, command in GUEST_STEPS:
+            result = box.exec(command)
+            assert result.status == 0, result.stderr
+            snapshot_id = box.checkpoint(what)
+            states.append(box.exec(GUEST_STATE).stdout)
+            ids.append(snapshot_id)
+            t = box.last_checkpoint
+            emit(f"guest step: {what}", t.total,
+                 f"checkpoint {snapshot_id}: VM paused {t.paused * 1000:.1f} ms")
+        timing = box.restore(ids[1])
+        assert box.exec(GUEST_STATE).stdout == states[1], "the guest's files differ"
+        emit(f"restore the running VM to '{GUEST_STEPS[1][0]}'", timing.seconds,
+             "no reboot: the disk was swapped under the guest; its files verified")
+        branch, seconds = timed(lambda: box.fork(ids[0], "branch"))
+        stack.callback(branch.destroy)
+        assert branch.exec(GUEST_STATE).stdout == states[0], "the fork's files differ"
+        assert branch.exec("echo other > /work/VERSION").status == 0
+        assert box.exec("cat /work/VERSION").stdout == b"v2\n", "the fork changed its parent"
+        emit(f"fork a second VM from '{GUEST_STEPS[0][0]}'", seconds,
+             "booted; the two VMs change independently")
+        box.stop()
+        probe = root / "vm-check.img"
+        store.restore(ids[2], box.disk)
+        store.restore(ids[2], probe)
+        assert _sha256(probe) == _sha256(box.disk), "the VM's disk differs from its snapshot"
+        emit("VM stopped; its disk matches its snapshot byte for byte")

@@ -32,6 +32,7 @@
 #include <sys/mount.h>
 #include <sys/reboot.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -351,6 +352,8 @@ static void do_exec(uint32_t id, unsigned char *p, uint32_t len)
     fcntl(pout[0], F_SETFL, O_NONBLOCK);
     fcntl(perr[0], F_SETFL, O_NONBLOCK);
 
+    /* A pidfd becomes readable when the command exits: no polling delay. */
+    int exit_fd = (int)syscall(SYS_pidfd_open, pid, 0);
     struct buf out = {0}, errb = {0};
     size_t in_off = 0;
     int in_fd = pin[1], out_open = 1, err_open = 1, status = 0, exited = 0, timed_out = 0;
@@ -363,10 +366,18 @@ static void do_exec(uint32_t id, unsigned char *p, uint32_t len)
      * that leaves a background process holding the pipes open ends when it
      * exits: what is already in the pipes is collected, then the reply goes. */
     while (!exited || out_open || err_open) {
-        struct pollfd f[3] = {{.fd = out_open ? pout[0] : -1, .events = POLLIN},
+        struct pollfd f[4] = {{.fd = out_open ? pout[0] : -1, .events = POLLIN},
                               {.fd = err_open ? perr[0] : -1, .events = POLLIN},
-                              {.fd = in_fd, .events = POLLOUT}};
-        poll(f, 3, exited ? 0 : 50);
+                              {.fd = in_fd, .events = POLLOUT},
+                              {.fd = exited ? -1 : exit_fd, .events = POLLIN}};
+        int wait_ms = exit_fd >= 0 ? -1 : 50;
+        if (exited)
+            wait_ms = 0;
+        else if (deadline && !timed_out) {
+            int64_t left = deadline - now_ms();
+            wait_ms = left <= 0 ? 0 : (wait_ms < 0 || left < wait_ms ? (int)left : wait_ms);
+        }
+        poll(f, 4, wait_ms);
         if (out_open && f[0].revents)
             out_open = drain(pout[0], &out);
         if (err_open && f[1].revents)
@@ -397,6 +408,8 @@ static void do_exec(uint32_t id, unsigned char *p, uint32_t len)
     }
     if (in_fd >= 0)
         close(in_fd);
+    if (exit_fd >= 0)
+        close(exit_fd);
     close(pout[0]);
     close(perr[0]);
     while (waitpid(-1, NULL, WNOHANG) > 0)  /* PID 1 reaps orphans */
