@@ -527,10 +527,15 @@ def _sandbox(store_path, name):
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option("--kernel-package", default="linux-image-cloud-amd64", show_default=True,
               help="Debian kernel package to boot.")
+@click.option("--kernel-image", type=click.Path(dir_okay=False, exists=True),
+              help="A kernel of your own (bzImage) instead of a Debian package.")
+@click.option("--modules", type=click.Path(file_okay=False, exists=True),
+              help="With --kernel-image: its lib/modules/<release> directory (drivers not "
+                   "found there are taken to be built in).")
 @click.option("--disk-size", default=1024, show_default=True, help="Root disk size in MiB.")
 @click.option("--force", is_flag=True, help="Rebuild even if the inputs have not changed.")
 @reports_errors
-def vm_build_image(directory, kernel_package, disk_size, force):
+def vm_build_image(directory, kernel_package, kernel_image, modules, disk_size, force):
     """Build a bootable sandbox image in DIRECTORY from Debian packages.
 
     Writes vmlinuz, initrd.img, rootfs.img (raw ext4) and manifest.json. Cached:
@@ -542,11 +547,11 @@ def vm_build_image(directory, kernel_package, disk_size, force):
     """
     from blockdiff.vmimage import build_image
 
-    built = build_image(directory, kernel_package=kernel_package,
-                        disk_size=disk_size * 1024 * 1024, force=force)
+    built = build_image(directory, kernel_package=kernel_package, kernel_image=kernel_image,
+                        modules=modules, disk_size=disk_size * 1024 * 1024, force=force)
     kernel = built.manifest["kernel"]
     click.echo(f"{directory}: {'up to date' if built.cached else 'built'} "
-               f"(kernel {kernel['release']}, {kernel['name']} {kernel['version']})")
+               f"(kernel {kernel['release']}, {kernel['name']} {kernel['version']})".rstrip())
 
 
 @vm.command("create")

@@ -126,7 +126,8 @@ class Sandbox:
                kernel: str | os.PathLike | None = None, memory_mb: int = 256, cpus: int = 1,
                ephemeral: bool = False) -> "Sandbox":
         """A new, stopped VM whose disk is a copy of ``image`` (reflinked when
-        it is on the store's filesystem) or a fork of store snapshot ``snapshot``.
+        it is on the store's filesystem; committed as the VM's root snapshot)
+        or a fork of store snapshot ``snapshot``.
         ``kernel`` is a directory holding ``vmlinuz`` and ``initrd.img`` (made by
         ``blockdiff vm build-image``); by default the image's own directory, or
         the kernel the snapshot was taken with."""
@@ -171,6 +172,12 @@ class Sandbox:
             shutil.rmtree(staging, ignore_errors=True)
         sandbox = cls(store, name)
         sandbox.ephemeral = ephemeral
+        if snap is None:
+            # The image as given becomes the root snapshot now, while nothing
+            # runs: the first checkpoint then pauses the VM only for what the
+            # first step changed, not for the whole disk.
+            store.commit(sandbox.disk, message=f"VM {name} created from {Path(image).name}",
+                         meta={"vm": name, "vm.kernel": kernel_key})
         return sandbox
 
     @staticmethod
@@ -223,9 +230,24 @@ class Sandbox:
         fd = os.open(self.directory / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
+            self._recover_checkpoint()
             yield
         finally:
             os.close(fd)
+
+    def _recover_checkpoint(self) -> None:
+        """A checkpoint whose process died may have left the VM paused and its
+        filesystem frozen; under the lock, nothing else can be checkpointing."""
+        marker = self.directory / "checkpointing"
+        if not marker.exists():
+            return
+        if self.running:
+            with contextlib.suppress(VMError), self.qmp() as q:
+                q.command("cont")
+            with contextlib.suppress(GuestError), self._dir_fd() as fd, \
+                    AgentLink("agent.sock", dir_fd=fd) as link:
+                link.thaw(timeout=self.guest_timeout)
+        marker.unlink()
 
     @contextlib.contextmanager
     def _dir_fd(self):
@@ -305,7 +327,7 @@ class Sandbox:
         self._clean_runtime()
 
     def _clean_runtime(self) -> None:
-        for f in ("qmp.sock", "agent.sock", "qemu.pid"):
+        for f in ("qmp.sock", "agent.sock", "qemu.pid", "checkpointing"):
             (self.directory / f).unlink(missing_ok=True)
 
     def destroy(self) -> None:
@@ -339,6 +361,8 @@ class Sandbox:
                 snap = self.store.commit(self.disk, message=message, meta=meta, ttl=ttl)
                 return snap.id
             start = time.monotonic()
+            marker = self.directory / "checkpointing"
+            marker.touch()
             with self._dir_fd() as fd, AgentLink("agent.sock", dir_fd=fd) as link:
                 try:
                     link.freeze(auto_thaw=60.0, timeout=self.guest_timeout)
@@ -363,6 +387,7 @@ class Sandbox:
                 finally:
                     if meta["vm.flush"] == "fsfreeze":
                         link.thaw(timeout=self.guest_timeout)
+            marker.unlink()
             self.last_checkpoint = CheckpointTiming(frozen - start, resumed - paused,
                                                     time.monotonic() - start)
             return snap.id

@@ -298,11 +298,14 @@ class BuiltImage:
         return self.directory / "rootfs.img"
 
 
-def _inputs_key(kernel: Package, busybox: Package, disk_size: int) -> str:
+def _inputs_key(kernel: Package, busybox: Package, disk_size: int,
+                modules: list[Path] | None) -> str:
     h = hashlib.sha256(f"builder {BUILDER_VERSION}\n".encode())
     for part in (GUEST_DIR / "agent.c", GUEST_DIR / "init"):
         h.update(part.read_bytes())
     h.update(json.dumps([kernel.__dict__, busybox.__dict__, disk_size, GUEST_MODULES]).encode())
+    for ko in modules or ():  # a kernel of your own: its modules are inputs too
+        h.update(ko.name.encode() + _sha256(ko).encode())
     return h.hexdigest()
 
 
@@ -317,43 +320,66 @@ def read_manifest(directory: str | os.PathLike) -> dict | None:
 
 
 def build_image(directory: str | os.PathLike, *, kernel_package: str = DEFAULT_KERNEL_PACKAGE,
+                kernel_image: str | os.PathLike | None = None,
+                modules: str | os.PathLike | None = None,
                 disk_size: int = DEFAULT_DISK_SIZE, force: bool = False) -> BuiltImage:
-    """Build (or find already built) the VM image in ``directory``."""
+    """Build (or find already built) the VM image in ``directory``.
+
+    The kernel is the Debian package ``kernel_package``, or a kernel of your
+    own: ``kernel_image`` (a bzImage) with ``modules``, the directory holding
+    its ``.ko`` files (``lib/modules/<release>``). Drivers it lacks as modules
+    are taken to be built in."""
     directory = Path(directory)
     if disk_size < 16 << 20:
         raise ImageBuildError("the root disk needs at least 16 MiB")
-    kernel = candidate(kernel_package)
+    local_modules = None
+    if kernel_image is not None:
+        kernel_image = Path(kernel_image)
+        if not kernel_image.is_file():
+            raise ImageBuildError(f"no kernel image at {kernel_image}")
+        kernel = Package(f"file:{kernel_image.resolve()}", "", _sha256(kernel_image))
+        local_modules = module_load_order(Path(modules)) if modules is not None else []
+    elif modules is not None:
+        raise ImageBuildError("--modules goes with a kernel image of your own (--kernel-image)")
+    else:
+        kernel = candidate(kernel_package)
     busybox_pkg = candidate(BUSYBOX_PACKAGE)
-    key = _inputs_key(kernel, busybox_pkg, disk_size)
+    key = _inputs_key(kernel, busybox_pkg, disk_size, local_modules)
     manifest = read_manifest(directory)
     if manifest and manifest.get("key") == key and not force:
         return BuiltImage(directory, manifest, cached=True)
 
     directory.mkdir(parents=True, exist_ok=True)
     cache = directory / ".debs"
-    kernel_deb, busybox_deb = download(kernel, cache), download(busybox_pkg, cache)
+    busybox_deb = download(busybox_pkg, cache)
     with tempfile.TemporaryDirectory(prefix=".build-", dir=directory) as tmp:
         work = Path(tmp)
-        _run(["dpkg-deb", "-x", str(kernel_deb), str(work / "kernel")], "unpacking the kernel")
+        if kernel_image is None:
+            _run(["dpkg-deb", "-x", str(download(kernel, cache)), str(work / "kernel")],
+                 "unpacking the kernel")
+            vmlinuz = sorted((work / "kernel/boot").glob("vmlinuz-*"))
+            module_dirs = sorted((work / "kernel/lib/modules").glob("*"))
+            if not vmlinuz or not module_dirs:
+                raise ImageBuildError(f"{kernel.name} has no /boot/vmlinuz-* and /lib/modules; "
+                                      f"pick a Debian kernel image package")
+            kernel_file, release = vmlinuz[0], module_dirs[0].name
+            guest_modules = module_load_order(module_dirs[0])
+        else:
+            kernel_file, guest_modules = kernel_image, local_modules
+            release = Path(modules).name if modules is not None else "custom"
         _run(["dpkg-deb", "-x", str(busybox_deb), str(work / "busybox")], "unpacking busybox")
-        vmlinuz = sorted((work / "kernel/boot").glob("vmlinuz-*"))
-        module_dirs = sorted((work / "kernel/lib/modules").glob("*"))
-        if not vmlinuz or not module_dirs:
-            raise ImageBuildError(f"{kernel.name} has no /boot/vmlinuz-* and /lib/modules; "
-                                  f"pick a Debian kernel image package")
-        modules = module_load_order(module_dirs[0])
         busybox = work / "busybox/bin/busybox"
         agent = work / "blockdiff-agent"
         compile_agent(agent)
-        (work / "initrd.img").write_bytes(make_initramfs(busybox, agent, modules))
-        shutil.copyfile(vmlinuz[0], work / "vmlinuz")
+        (work / "initrd.img").write_bytes(make_initramfs(busybox, agent, guest_modules))
+        shutil.copyfile(kernel_file, work / "vmlinuz")
         make_rootfs(busybox, work / "rootfs.img", disk_size, work)
         manifest = {
             "key": key,
             "builder": BUILDER_VERSION,
-            "kernel": kernel.__dict__ | {"release": module_dirs[0].name},
+            "kernel": kernel.__dict__ | {"release": release},
             "busybox": busybox_pkg.__dict__,
-            "modules": [ko.name for ko in modules],
+            "modules": [ko.name for ko in guest_modules],
             "disk_size": disk_size,
             "sha256": {f: _sha256(work / f) for f in FILES},
         }

@@ -148,7 +148,9 @@ def test_steps_restore_exactly_in_the_guest_and_on_disk(store, box, xfs):
     assert_disk_is(store, box, ids[2], xfs)
     box.start()
     assert listing(box) == listings[2]
-    assert [s.id for s in store.log(ids[4])][::-1] == ids
+    line = [s for s in store.log(ids[4])][::-1]
+    assert [s.id for s in line[1:]] == ids
+    assert line[0].message == "VM box created from rootfs.img" and line[0].parent is None
 
 
 def test_restore_while_stopped_then_boot(store, box, xfs):
@@ -252,6 +254,21 @@ def test_a_guest_that_does_not_answer_times_out_clearly(store, box):
     # The thaw queued behind the late freeze leaves the guest writable.
     result = box.exec("echo ok > /work-ok && cat /work-ok", timeout=30)
     assert result.stdout == b"ok\n"
+
+
+def test_a_checkpoint_killed_midway_leaves_no_paused_or_frozen_vm(store, box):
+    # What a checkpointing process leaves behind when it dies between the
+    # freeze and the thaw: the guest frozen, the VM paused, the marker.
+    (box.directory / "checkpointing").touch()
+    with box.agent() as link:
+        link.freeze(auto_thaw=600)
+    with box.qmp() as q:
+        q.command("stop")
+    result = box.exec("echo ok > /after && cat /after", timeout=30)
+    assert result.stdout == b"ok\n"
+    assert not (box.directory / "checkpointing").exists()
+    box.checkpoint("after recovery")
+    assert box.last_checkpoint.paused < 5.0
 
 
 def test_a_guest_that_never_boots_reports_its_console(store, vm_image, xfs):
@@ -388,3 +405,30 @@ def test_kvm_probe_answers_in_bounded_time(vm_image, monkeypatch, tmp_path):
     with pytest.raises(qemu.VMError, match="kvm or tcg"):
         qemu.choose_accel(vm_image.kernel, vm_image.initrd)
 
+
+
+def test_a_kernel_of_your_own(store, vm_image, xfs):
+    """A kernel given as a bzImage and its modules directory, not a package."""
+    unpacked = xfs / "kernel"
+    deb = next((IMAGE_CACHE / ".debs").glob("linux-image-*.deb"))
+    subprocess.run(["dpkg-deb", "-x", str(deb), str(unpacked)], check=True)
+    bzimage = next((unpacked / "boot").glob("vmlinuz-*"))
+    modules = next((unpacked / "lib" / "modules").glob("*"))
+    built = _cli("vm", "build-image", str(xfs / "own"), "--kernel-image", str(bzimage),
+                 "--modules", str(modules), "--disk-size", "64", check=True)
+    assert "built" in built.stdout
+    again = _cli("vm", "build-image", str(xfs / "own"), "--kernel-image", str(bzimage),
+                 "--modules", str(modules), "--disk-size", "64", check=True)
+    assert "up to date" in again.stdout
+    with Sandbox.create(store, "own", image=vm_image.rootfs, kernel=xfs / "own") as sandbox:
+        sandbox.start()
+        assert sandbox.exec("uname -r").stdout.decode().strip() == modules.name
+
+
+def test_build_image_bad_input(xfs):
+    line = _error_line(_cli("vm", "build-image", str(xfs / "x"), "--modules", str(xfs)), 8)
+    assert "--kernel-image" in line
+    line = _error_line(_cli("vm", "build-image", str(xfs / "x"), "--kernel-package",
+                            "linux-image-no-such-kernel"), 8)
+    assert "linux-image-no-such-kernel" in line
+    assert not (xfs / "x" / "manifest.json").exists()
