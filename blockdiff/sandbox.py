@@ -159,9 +159,9 @@ class Sandbox:
                 store.restore(snap.id, staging / "disk.img")
             else:
                 _copy_file(Path(image), staging / "disk.img")
+            source = {"snapshot": snap.id} if snap else {"image": os.path.abspath(image)}
             config = {"name": name, "kernel": kernel_key, "memory_mb": memory_mb, "cpus": cpus,
-                      "created": time.time(),
-                      "source": {"snapshot": snap.id} if snap else {"image": os.path.abspath(image)}}
+                      "created": time.time(), "source": source}
             (staging / "vm.json").write_text(json.dumps(config, indent=2) + "\n")
             for entry in staging.iterdir():
                 os.replace(entry, directory / entry.name)

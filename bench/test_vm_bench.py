@@ -1,0 +1,36 @@
+"""A tiny end-to-end run of bench/vm_bench.py: a real VM under QEMU on a
+scratch XFS (root, xfsprogs, QEMU and what the image builder needs). Like
+everything in bench/, skipped unless --run-bench is given:
+
+    pytest bench/test_vm_bench.py --run-bench
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import vm_bench
+
+from blockdiff import scratch
+
+
+@pytest.mark.bench
+def test_end_to_end_tiny_run(tmp_path, capsys):
+    reason = scratch.filesystem_unavailable_reason("xfs")
+    if reason:
+        pytest.skip(f"no scratch XFS filesystem: {reason}")
+    if shutil.which("qemu-system-x86_64") is None:
+        pytest.skip("QEMU is not installed (bash .ci/setup installs it)")
+    out = tmp_path / "out.json"
+    assert vm_bench.main(["--steps", "12", "--disk-mib", "128", "--pool-mib", "16",
+                          "--json", str(out), "--workdir", str(tmp_path / "work")]) == 0
+    printed = capsys.readouterr().out
+    assert "| checkpoint: VM paused |" in printed
+    result = json.loads(out.read_text())
+    assert result["checkpoint_paused"]["n"] == 12
+    assert result["full_copy_paused"]["n"] == 2
+    assert result["restore_swap"]["n"] == vm_bench.RESTORE_SAMPLES
+    assert result["changed_bytes"] >= 12 * vm_bench.MiB
+    assert not list((tmp_path / "work" / "scratch").iterdir())  # nothing left mounted
