@@ -514,7 +514,17 @@ def compact(store_path, snapshot_id):
 
 @main.group()
 def vm():
-    """Sandbox VMs (QEMU) whose disks are snapshotted into a store."""
+    """Sandbox VMs (QEMU) whose disks are snapshotted into a store.
+
+    \b
+    Example:
+      export BLOCKDIFF_STORE=/srv/sandboxes/store
+      blockdiff vm build-image /srv/sandboxes/image
+      blockdiff vm create box --image /srv/sandboxes/image/rootfs.img
+      blockdiff vm start box
+      blockdiff vm exec box -- sh -c 'echo v1 > /root/app'
+      blockdiff vm snapshot box -m "write app"
+    """
 
 
 def _sandbox(store_path, name):
@@ -587,7 +597,12 @@ def vm_create(name, store_path, image, snapshot_id, kernel, memory, cpus):
 @click.option("--timeout", default=120.0, show_default=True, help="Seconds to wait for the boot.")
 @reports_errors
 def vm_start(name, store_path, timeout):
-    """Boot VM NAME in the background; return when it runs commands."""
+    """Boot VM NAME in the background; return when it runs commands.
+
+    \b
+    Example:
+      blockdiff vm start box
+    """
     box = _sandbox(store_path, name)
     box.start(timeout=timeout)
     click.echo(f"VM {name} running ({box.status().accel})")
@@ -628,7 +643,12 @@ def vm_exec(name, command, store_path, timeout, pass_stdin, cwd):
 @click.option("--ttl", help="Expire after this long (e.g. 30m, 2h, 7d).")
 @reports_errors
 def vm_snapshot(name, store_path, message, meta, ttl):
-    """Snapshot VM NAME's disk (pausing it briefly); print the id last."""
+    """Snapshot VM NAME's disk (pausing it briefly); print the id last.
+
+    \b
+    Example:
+      blockdiff vm snapshot box -m "pip install" --meta step=3
+    """
     box = _sandbox(store_path, name)
     snapshot_id = box.checkpoint(message, _pairs(meta), ttl=_duration(ttl))
     if box.last_checkpoint:
@@ -643,7 +663,15 @@ def vm_snapshot(name, store_path, message, meta, ttl):
 @store_option
 @reports_errors
 def vm_restore(name, snapshot_id, store_path):
-    """Put VM NAME's disk back to snapshot ID (a running VM keeps running)."""
+    """Put VM NAME's disk back to snapshot ID (a running VM keeps running).
+
+    A running VM's processes end and its disk is swapped under it, without a
+    reboot; a stopped VM stays stopped.
+
+    \b
+    Example:
+      blockdiff vm restore box 3f2a9c0d1e2b4a5c
+    """
     result = _sandbox(store_path, name).restore(snapshot_id)
     how = "rebooted" if result.rebooted else "running"
     click.echo(f"VM {name} at {snapshot_id} ({how}, {result.seconds * 1000:.0f} ms)")
@@ -657,7 +685,12 @@ def vm_restore(name, snapshot_id, store_path):
 @click.option("--no-start", is_flag=True, help="Leave the new VM stopped.")
 @reports_errors
 def vm_fork(name, snapshot_id, new_name, store_path, no_start):
-    """Make VM NEWNAME, like NAME, from snapshot ID, and start it."""
+    """Make VM NEWNAME, like NAME, from snapshot ID, and start it.
+
+    \b
+    Example:
+      blockdiff vm fork box 3f2a9c0d1e2b4a5c box-b
+    """
     _sandbox(store_path, name).fork(snapshot_id, new_name, start=not no_start)
     click.echo(f"VM {new_name} forked from {snapshot_id}" + ("" if no_start else ", running"))
 
@@ -667,7 +700,12 @@ def vm_fork(name, snapshot_id, new_name, store_path, no_start):
 @store_option
 @reports_errors
 def vm_stop(name, store_path):
-    """Shut VM NAME down."""
+    """Shut VM NAME down (cleanly; killed if it does not power off).
+
+    \b
+    Example:
+      blockdiff vm stop box
+    """
     _sandbox(store_path, name).stop()
     click.echo(f"VM {name} stopped")
 
@@ -677,7 +715,12 @@ def vm_stop(name, store_path):
 @store_option
 @reports_errors
 def vm_rm(name, store_path):
-    """Stop VM NAME and delete it; its snapshots stay in the store."""
+    """Stop VM NAME and delete it; its snapshots stay in the store.
+
+    \b
+    Example:
+      blockdiff vm rm box
+    """
     _sandbox(store_path, name).destroy()
     click.echo(f"removed VM {name}")
 
@@ -687,7 +730,12 @@ def vm_rm(name, store_path):
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @reports_errors
 def vm_ls(store_path, as_json):
-    """List the store's VMs: state, accelerator, the snapshot each descends from."""
+    """List the store's VMs: state, accelerator, the snapshot each descends from.
+
+    \b
+    Example:
+      blockdiff vm ls --json
+    """
     from blockdiff.sandbox import Sandbox
 
     statuses = [box.status() for box in Sandbox.list(_open_store(store_path))]

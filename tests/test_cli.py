@@ -89,14 +89,21 @@ def test_quiet_prints_nothing(pair):
 
 
 def _commands():
+    import click
+
     from blockdiff.cli import main
 
-    return sorted(main.commands)
+    names = []
+    for name, command in sorted(main.commands.items()):
+        names.append(name)
+        if isinstance(command, click.Group):
+            names += [f"{name} {sub}" for sub in sorted(command.commands)]
+    return names
 
 
 @pytest.mark.parametrize("command", _commands())
 def test_every_command_has_help_with_an_example(command):
-    text = run(command, "--help").stdout
+    text = run(*command.split(), "--help").stdout
     assert "Example" in text and len(text.splitlines()) > 5
 
 
