@@ -347,18 +347,20 @@ class Sandbox:
             return link.exec(argv, timeout=timeout, stdin=input, cwd=cwd)
 
     def checkpoint(self, message: str = "", meta: dict | None = None,
-                   ttl: float | None = None) -> str:
+                   ttl: float | None = None, skip_unchanged: bool = False) -> str:
         """Snapshot the disk into the store; returns the snapshot id.
 
         A running guest flushes and freezes its filesystem, then the VM is
         paused (QMP ``stop`` drains every write), the image committed and the
         VM resumed and thawed. A guest whose agent does not answer is
         snapshotted as it is on disk (crash-consistent), and the snapshot's
-        ``vm.flush`` says so."""
+        ``vm.flush`` says so. With ``skip_unchanged``, a disk with no change
+        since its last snapshot gives that snapshot's id and adds no node."""
         meta = {"vm": self.name, "vm.kernel": self.config["kernel"]} | (meta or {})
         with self._lock():
             if not self.running:
-                snap = self.store.commit(self.disk, message=message, meta=meta, ttl=ttl)
+                snap = self.store.commit(self.disk, message=message, meta=meta, ttl=ttl,
+                                         skip_unchanged=skip_unchanged)
                 return snap.id
             start = time.monotonic()
             marker = self.directory / "checkpointing"
@@ -380,7 +382,7 @@ class Sandbox:
                         paused = time.monotonic()
                         try:
                             snap = self.store.commit(self.disk, message=message, meta=meta,
-                                                     ttl=ttl)
+                                                     ttl=ttl, skip_unchanged=skip_unchanged)
                         finally:
                             q.command("cont")
                             resumed = time.monotonic()

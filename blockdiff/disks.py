@@ -1,0 +1,40 @@
+"""Sandbox disks for the layers above the store: anything with
+``checkpoint(message, meta, ttl, skip_unchanged) -> snapshot id`` and
+``restore(snapshot id)``. A :class:`blockdiff.sandbox.Sandbox` (a VM) is one;
+:class:`ImageDisk` is the other: a plain image file committed to a store,
+for agents whose sandbox is not a VM (a container's disk, a test)."""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+from blockdiff.store import Store, open_store
+
+
+class Disk(Protocol):
+    def checkpoint(self, message: str = "", meta: dict | None = None, ttl: float | None = None,
+                   skip_unchanged: bool = False) -> str: ...
+
+    def restore(self, snapshot_id: str): ...
+
+
+class ImageDisk:
+    """A disk image file on the store's filesystem."""
+
+    def __init__(self, store: Store | str | os.PathLike, path: str | os.PathLike):
+        self.store = store if isinstance(store, Store) else open_store(store)
+        self.path = os.fspath(path)
+
+    def checkpoint(self, message: str = "", meta: dict | None = None, ttl: float | None = None,
+                   skip_unchanged: bool = False) -> str:
+        return self.store.commit(self.path, message=message, meta=meta, ttl=ttl,
+                                 skip_unchanged=skip_unchanged).id
+
+    def restore(self, snapshot_id: str) -> None:
+        self.store.restore(snapshot_id, self.path)
+
+    @property
+    def snapshot(self) -> str | None:
+        """The snapshot the image was last committed as or restored from."""
+        return self.store.lineage(self.path)[0]

@@ -1,0 +1,124 @@
+"""What agent checkpoints write at rest: JSON, with named secrets redacted,
+optionally sealed with AES-GCM.
+
+A sealed value is ``b"E1" | 12-byte nonce | ciphertext+tag``, bound by the
+associated data to the record and field it belongs to, so a value copied
+into another record does not decrypt. A plain value is ``b"J" | JSON``.
+
+The key is 32 bytes, from the ``key`` argument, ``$BLOCKDIFF_AGENT_KEY`` (64
+hex digits or URL-safe base64) or the file named by
+``$BLOCKDIFF_AGENT_KEY_FILE`` (32 raw bytes, or the same text forms).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import os
+from collections.abc import Callable, Iterable
+
+from blockdiff.errors import BlockdiffError
+
+KEY_ENV = "BLOCKDIFF_AGENT_KEY"
+KEY_FILE_ENV = "BLOCKDIFF_AGENT_KEY_FILE"
+REDACTED = "[redacted]"
+PLAIN, SEALED = b"J", b"E1"
+
+
+class SealingError(BlockdiffError):
+    """A key is missing, malformed or wrong."""
+
+    exit_code = 10
+
+
+def parse_key(text: str | bytes) -> bytes:
+    """32 key bytes from raw bytes, 64 hex digits or base64."""
+    if isinstance(text, bytes) and len(text) == 32:
+        return text
+    value = text.decode().strip() if isinstance(text, bytes) else text.strip()
+    try:
+        if len(value) == 64:
+            return bytes.fromhex(value)
+        key = base64.urlsafe_b64decode(value + "=" * (-len(value) % 4))
+    except (ValueError, binascii.Error):
+        key = b""
+    if len(key) != 32:
+        raise SealingError("an agent key is 32 bytes: 64 hex digits or base64; make one with: "
+                           "blockdiff agent keygen")
+    return key
+
+
+def key_from_environment() -> bytes | None:
+    if os.environ.get(KEY_ENV):
+        return parse_key(os.environ[KEY_ENV])
+    if os.environ.get(KEY_FILE_ENV):
+        path = os.environ[KEY_FILE_ENV]
+        try:
+            with open(path, "rb") as f:
+                return parse_key(f.read())
+        except OSError as e:
+            raise SealingError(f"cannot read the agent key file {path}: {e.strerror}") from None
+    return None
+
+
+def new_key() -> str:
+    return os.urandom(32).hex()
+
+
+def redact(value, secrets: frozenset[str]):
+    """``value`` with every dict entry whose key is in ``secrets`` replaced."""
+    if isinstance(value, dict):
+        return {k: REDACTED if k in secrets else redact(v, secrets) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact(v, secrets) for v in value]
+    return value
+
+
+class Codec:
+    """Encodes values for the agent database: redact, serialise, seal."""
+
+    def __init__(self, key: bytes | str | None = None, *, secrets: Iterable[str] = (),
+                 redactor: Callable | None = None):
+        self.key = parse_key(key) if key is not None else key_from_environment()
+        self.secrets = frozenset(secrets)
+        self.redactor = redactor
+        if self.key is not None:
+            try:
+                from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+            except ImportError:
+                raise SealingError("encrypting agent state needs the cryptography package: "
+                                   "pip install 'blockdiff[crypto]'") from None
+            self._aead = AESGCM(self.key)
+
+    @property
+    def sealing(self) -> bool:
+        return self.key is not None
+
+    def encode(self, value, context: str) -> bytes:
+        if self.secrets:
+            value = redact(value, self.secrets)
+        if self.redactor is not None:
+            value = self.redactor(value)
+        data = json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+        if self.key is None:
+            return PLAIN + data
+        nonce = os.urandom(12)
+        return SEALED + nonce + self._aead.encrypt(nonce, data, context.encode())
+
+    def decode(self, blob: bytes, context: str):
+        if blob[:1] == PLAIN:
+            return json.loads(blob[1:])
+        if blob[:2] != SEALED:
+            raise SealingError(f"{context}: not a value blockdiff wrote")
+        if self.key is None:
+            raise SealingError(f"{context} is encrypted; set {KEY_ENV} or {KEY_FILE_ENV} to "
+                               f"its key")
+        from cryptography.exceptions import InvalidTag
+
+        try:
+            data = self._aead.decrypt(blob[2:14], blob[14:], context.encode())
+        except InvalidTag:
+            raise SealingError(f"{context} does not decrypt with this key: the key is wrong "
+                               f"(or the record was altered)") from None
+        return json.loads(data)
