@@ -308,6 +308,12 @@ class AgentDB:
     def close(self) -> None:
         self.db.close()
 
+    def __enter__(self) -> "AgentDB":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @contextlib.contextmanager
     def transaction(self):
         self.db.execute("BEGIN IMMEDIATE")
@@ -358,6 +364,18 @@ class AgentDB:
             out.append(cp)
             cursor = cp.parent
         return out
+
+    def tree(self) -> str:
+        """Every thread's checkpoints as one tree: forks and rewinds branch."""
+        from types import SimpleNamespace
+
+        from blockdiff.view import render_tree
+
+        nodes = [SimpleNamespace(seq=r[0], id=r[1], parent=r[2],
+                                 message=f"[{r[3]}] step {r[4]}: {r[5]}")
+                 for r in self.db.execute("SELECT seq, id, parent, thread, step, reason "
+                                          "FROM checkpoints")]
+        return render_tree(nodes)
 
     def all_checkpoints(self, thread_id: str) -> list[Checkpoint]:
         return [self._checkpoint(r) for r in self.db.execute(
@@ -489,7 +507,11 @@ class Agent:
         self.trace = trace or (lambda point: None)
         self._step: Step | None = None
         self._approvals_asked: tuple[str | None, int] = (None, -1)
-        self._acquire(create)
+        try:
+            self._acquire(create)
+        except BaseException:
+            self.db.close()
+            raise
         try:
             info = self.db.thread(thread_id)
             self.head: str | None = info.head
@@ -504,7 +526,7 @@ class Agent:
                         self.disk.restore(head.disk_snapshot)
             self.run_pending_compensations()
         except BaseException:
-            self._release()
+            self.close()
             raise
 
     # ------------------------------------------------------------- lease

@@ -745,3 +745,261 @@ def vm_ls(store_path, as_json):
     for s in statuses:
         state = f"running (pid {s.pid}, {s.accel})" if s.running else "stopped"
         click.echo(f"{s.name:20} {state:28} {s.snapshot or '-'}")
+
+
+# ------------------------------------------------------------ agent threads
+
+@main.group()
+def agent():
+    """Agent checkpoints: threads, their history, approvals, rewind and fork.
+
+    Encrypted state needs its key in BLOCKDIFF_AGENT_KEY (or a file named by
+    BLOCKDIFF_AGENT_KEY_FILE).
+
+    \b
+    Example:
+      blockdiff agent threads --store S
+      blockdiff agent history --store S run-42
+    """
+
+
+def _agent_db(store_path):
+    from blockdiff.agent import AgentDB
+
+    return AgentDB(_open_store(store_path))
+
+
+def _when(t: float | None) -> str:
+    import time as time_module
+
+    return "-" if t is None else time_module.strftime("%Y-%m-%d %H:%M:%S",
+                                                      time_module.localtime(t))
+
+
+@agent.command("threads")
+@store_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@reports_errors
+def agent_threads(store_path, as_json):
+    """List the store's threads: status, head checkpoint, who runs it.
+
+    \b
+    Example:
+      blockdiff agent threads --store S --json
+    """
+    threads = _agent_db(store_path).threads()
+    if as_json:
+        click.echo(json.dumps([t.__dict__ for t in threads], indent=2))
+        return
+    for t in threads:
+        extra = f"  forked from {t.forked_from}" if t.forked_from else ""
+        who = f"  by {t.owner}" if t.owner else ""
+        click.echo(f"{t.id:24} {t.status:17} {t.head or '-':16}{who}{extra}")
+
+
+@agent.command("history")
+@click.argument("thread")
+@store_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@reports_errors
+def agent_history(thread, store_path, as_json):
+    """THREAD's checkpoints from its head back to its start, newest first.
+
+    \b
+    Example:
+      blockdiff agent history --store S run-42
+    """
+    history = _agent_db(store_path).history(thread)
+    if as_json:
+        click.echo(json.dumps([c.__dict__ for c in history], indent=2))
+        return
+    for c in history:
+        disk = f"disk {c.disk_snapshot}" if c.disk_snapshot else "no disk"
+        click.echo(f"{c.id}  step {c.step:<4} {_when(c.created)}  {c.reason:24} {disk}"
+                   + (f"  ({c.thread})" if c.thread != thread else ""))
+
+
+@agent.command("tree")
+@store_option
+@reports_errors
+def agent_tree(store_path):
+    """Every thread's checkpoints as one tree; forks and rewinds branch.
+
+    \b
+    Example:
+      blockdiff agent tree --store S
+    """
+    click.echo(_agent_db(store_path).tree())
+
+
+@agent.command("show")
+@click.argument("checkpoint_id", metavar="CHECKPOINT")
+@store_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@reports_errors
+def agent_show(checkpoint_id, store_path, as_json):
+    """One checkpoint: its record, execution state and messages.
+
+    \b
+    Example:
+      BLOCKDIFF_AGENT_KEY=... blockdiff agent show --store S 6050da99569807ab
+    """
+    from blockdiff.sealing import Codec
+
+    db = _agent_db(store_path)
+    cp = db.checkpoint(checkpoint_id)
+    state_blob, messages_blob = db.contents(checkpoint_id)
+    codec = Codec()
+    record = cp.__dict__ | {
+        "state": codec.decode(state_blob, f"checkpoint {checkpoint_id} state"),
+        "messages": codec.decode(messages_blob, f"checkpoint {checkpoint_id} messages")}
+    if as_json:
+        click.echo(json.dumps(record, indent=2))
+        return
+    for key in ("id", "thread", "parent", "step", "reason", "disk_snapshot", "meta"):
+        click.echo(f"{key + ':':15}{record[key]}")
+    click.echo(f"{'created:':15}{_when(cp.created)}   expires: {_when(cp.expires)}")
+    click.echo("state:\n" + json.dumps(record["state"], indent=2))
+    click.echo(f"messages: {len(record['messages'])}")
+    for m in record["messages"][-10:]:
+        click.echo(f"  {json.dumps(m)}")
+
+
+@agent.command("journal")
+@click.argument("thread")
+@store_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@reports_errors
+def agent_journal(thread, store_path, as_json):
+    """THREAD's tool calls, oldest first: request id, tool, status.
+
+    \b
+    Example:
+      blockdiff agent journal --store S run-42
+    """
+    entries = _agent_db(store_path).journal(thread)
+    if as_json:
+        click.echo(json.dumps([e.__dict__ for e in entries], indent=2))
+        return
+    for e in entries:
+        click.echo(f"{e.request_id}  {e.tool:16} {e.status:14} {_when(e.started)}")
+
+
+@agent.command("pending")
+@store_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@reports_errors
+def agent_pending(store_path, as_json):
+    """Approvals waiting for a decision, in every thread.
+
+    \b
+    Example:
+      blockdiff agent pending --store S
+    """
+    from blockdiff.sealing import Codec
+
+    approvals = _agent_db(store_path).approvals(pending_only=True, codec=Codec())
+    if as_json:
+        click.echo(json.dumps([a.__dict__ for a in approvals], indent=2))
+        return
+    if not approvals:
+        click.echo("no pending approvals")
+    for a in approvals:
+        click.echo(f"{a.thread:24} {json.dumps(a.action)}  (asked {_when(a.created)}, "
+                   f"expires {_when(a.expires)})")
+
+
+def _decide(thread, store_path, decision, comment):
+    approval = _agent_db(store_path).decide(thread, decision, comment=comment)
+    click.echo(f"{thread}: {approval.decision}; the run continues when the agent resumes it")
+
+
+@agent.command("approve")
+@click.argument("thread")
+@store_option
+@click.option("-m", "--comment", default="", help="Why.")
+@reports_errors
+def agent_approve(thread, store_path, comment):
+    """Approve THREAD's pending action.
+
+    \b
+    Example:
+      blockdiff agent approve --store S run-42 -m "ok to charge"
+    """
+    _decide(thread, store_path, "approved", comment)
+
+
+@agent.command("reject")
+@click.argument("thread")
+@store_option
+@click.option("-m", "--comment", default="", help="Why.")
+@reports_errors
+def agent_reject(thread, store_path, comment):
+    """Reject THREAD's pending action.
+
+    \b
+    Example:
+      blockdiff agent reject --store S run-42 -m "too expensive"
+    """
+    _decide(thread, store_path, "rejected", comment)
+
+
+@agent.command("rewind")
+@click.argument("thread")
+@click.argument("checkpoint_id", metavar="CHECKPOINT")
+@store_option
+@reports_errors
+def agent_rewind(thread, checkpoint_id, store_path):
+    """Put THREAD (state and disk) back to CHECKPOINT.
+
+    Effects of tool calls made since are compensated newest first. Those
+    whose compensation needs the agent's own tools are left pending and run
+    when the agent next opens the thread; those that cannot be compensated
+    are listed.
+
+    \b
+    Example:
+      blockdiff agent rewind --store S run-42 6050da99569807ab
+    """
+    from blockdiff.agent import rewind_thread
+
+    report = rewind_thread(_open_store(store_path), thread, checkpoint_id)
+    click.echo(f"{thread}: rewound to {checkpoint_id}")
+    for what, items in (("compensated", report.compensated),
+                        ("compensation pending (runs when the agent resumes)", report.pending),
+                        ("cannot be compensated", report.uncompensable)):
+        for item in items:
+            click.echo(f"  {what}: {item}")
+
+
+@agent.command("fork")
+@click.argument("thread")
+@click.argument("checkpoint_id", metavar="CHECKPOINT")
+@click.argument("new_thread", metavar="NEW_THREAD")
+@store_option
+@reports_errors
+def agent_fork(thread, checkpoint_id, new_thread, store_path):
+    """Start NEW_THREAD from THREAD's CHECKPOINT, with a disk of its own.
+
+    \b
+    Example:
+      blockdiff agent fork --store S run-42 6050da99569807ab run-42b
+    """
+    from blockdiff.agent import fork_thread
+
+    head = fork_thread(_open_store(store_path), thread, checkpoint_id, new_thread)
+    click.echo(f"{new_thread}: forked from {checkpoint_id}; head {head}")
+
+
+@agent.command("keygen")
+@reports_errors
+def agent_keygen():
+    """Print a new key for encrypting agent state (AES-256-GCM).
+
+    \b
+    Example:
+      export BLOCKDIFF_AGENT_KEY=$(blockdiff agent keygen)
+    """
+    from blockdiff.sealing import new_key
+
+    click.echo(new_key())

@@ -1,0 +1,425 @@
+"""Agent checkpoints on a real store on XFS: steps, the exactly-once journal,
+approvals, leases, compensation, rewind and fork, sealing and redaction."""
+
+from __future__ import annotations
+
+import gc
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+
+from blockdiff import agent as agent_module
+from blockdiff.agent import (
+    NOT_APPLIED,
+    Agent,
+    AgentDB,
+    AgentError,
+    ApprovalPending,
+    InDoubt,
+    ThreadBusy,
+    Tool,
+    UnknownCheckpoint,
+    UnknownThread,
+    fork_thread,
+    rewind_thread,
+)
+from blockdiff.disks import ImageDisk
+from blockdiff.sealing import SealingError, new_key
+from blockdiff.store import Store
+
+MiB = 1 << 20
+
+
+class Bank:
+    """An external service with real side effects, in memory."""
+
+    def __init__(self):
+        self.charges: dict[str, int] = {}
+        self.runs = 0
+        self.undone: list[str] = []
+
+    def charge(self, args, rid):
+        self.runs += 1
+        self.charges.setdefault(rid, args["amount"])
+        return {"charge": rid, "amount": args["amount"]}
+
+    def check(self, rid):
+        if rid in self.charges:
+            return {"charge": rid, "amount": self.charges[rid]}
+        return NOT_APPLIED
+
+    def refund(self, args, result, undo_id):
+        self.undone.append(result["charge"])
+        self.charges.pop(result["charge"], None)
+
+    def tools(self, **overrides):
+        spec = {"run": self.charge, "check": self.check, "compensate": self.refund} | overrides
+        return [Tool("charge", **spec), Tool("email", lambda a, r: {"sent": a["to"]}),
+                Tool("exec", lambda a, r: {"ok": True}, external=False)]
+
+
+@pytest.fixture
+def setup(xfs):
+    store = Store.init(xfs / "store")
+    image = xfs / "disk.img"
+    with open(image, "wb") as f:
+        f.truncate(16 * MiB)
+    yield store, ImageDisk(store, image), image
+    store.close()
+    gc.collect()  # catalog connections of AgentDBs the tests dropped: the mount must unmount
+
+
+def write(image, offset: int, data: bytes) -> None:
+    fd = os.open(image, os.O_RDWR)
+    try:
+        os.pwrite(fd, data, offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def order_step(a: Agent, image, amount: int):
+    i = a.state.get("i", 0)
+    with a.step(f"order {i}") as s:
+        write(image, i * MiB, f"order {i}".encode() * 100)
+        result = s.call("charge", {"amount": amount})
+        s.state["i"] = i + 1
+        s.state.setdefault("paid", []).append(result["charge"])
+        s.messages.append({"role": "tool", "content": f"charged {amount}"})
+    return s.result
+
+
+def test_steps_checkpoint_state_and_disk_and_skip_when_unchanged(setup):
+    store, disk, image = setup
+    bank = Bank()
+    with Agent(store, "t", disk=disk, tools=bank.tools()) as a:
+        first = order_step(a, image, 10)
+        second = order_step(a, image, 20)
+        assert not first.skipped and not second.skipped
+        nodes = len(store.log())
+        again = a.checkpoint("nothing happened")
+        assert again.skipped and again.id == a.head
+        assert len(store.log()) == nodes  # no disk snapshot either
+        history = a.history()
+    assert [c.reason for c in history] == ["tool_call", "tool_call", "start"]
+    assert history[0].disk_snapshot != history[1].disk_snapshot
+    assert [c.step for c in history] == [2, 1, 0]
+    # Resumed in a new Agent: state, messages and disk as at the head.
+    write(image, 5 * MiB, b"uncommitted junk")
+    with Agent(store, "t", disk=disk, tools=bank.tools()) as a:
+        assert a.resumed and a.state["i"] == 2 and len(a.messages) == 2
+    with open(image, "rb") as f:
+        f.seek(5 * MiB)
+        assert f.read(16) == b"\0" * 16
+
+
+def test_a_failed_step_leaves_state_and_disk_at_its_start_and_replays_its_calls(setup):
+    store, disk, image = setup
+    bank = Bank()
+    with Agent(store, "t", disk=disk, tools=bank.tools()) as a:
+        order_step(a, image, 10)
+        with pytest.raises(RuntimeError):
+            with a.step("boom") as s:
+                write(image, 0, b"half-done work")
+                s.call("charge", {"amount": 99})
+                s.state["i"] = 42
+                raise RuntimeError("the model crashed")
+        assert a.state["i"] == 1
+        with open(image, "rb") as f:
+            assert f.read(7) == b"order 0"
+        # The retried step makes the same call: it is answered from the journal.
+        order_step(a, image, 99)
+    assert bank.runs == 2 and sorted(bank.charges.values()) == [10, 99]
+
+
+@pytest.mark.parametrize("tool_state", ["applied", "not applied", "idempotent", "no check"])
+def test_a_call_in_flight_at_a_crash_is_settled_before_any_retry(setup, tool_state):
+    store, disk, image = setup
+    bank = Bank()
+
+    def crash_after_run(point):
+        if point == ("call.ran" if tool_state in ("applied", "idempotent") else "call.intent"):
+            raise KeyboardInterrupt  # the process "dies" there
+
+    with pytest.raises(KeyboardInterrupt):
+        with Agent(store, "t", disk=disk, tools=bank.tools(), trace=crash_after_run) as a:
+            order_step(a, image, 10)
+    [entry] = AgentDB(store).journal("t")
+    assert entry.status == "intent"
+    overrides = {"no check": {"check": None}, "idempotent": {"check": None, "idempotent": True}}
+    tools = bank.tools(**overrides.get(tool_state, {}))
+    with Agent(store, "t", disk=disk, tools=tools) as a:
+        if tool_state == "no check":
+            with pytest.raises(InDoubt, match="cannot say whether it took effect"):
+                order_step(a, image, 10)
+            return
+        order_step(a, image, 10)
+    assert list(bank.charges.values()) == [10]
+    # Applied: the check finds it, no second run. Idempotent: run again with the
+    # same request id, which the service takes once.
+    assert bank.runs == (2 if tool_state == "idempotent" else 1)
+    assert [e.status for e in AgentDB(store).journal("t")] == ["done"]
+
+
+def test_a_step_that_calls_differently_on_replay_is_refused(setup):
+    store, disk, image = setup
+    bank = Bank()
+    with pytest.raises(KeyboardInterrupt):
+        with Agent(store, "t", disk=disk, tools=bank.tools(),
+                   trace=lambda p: p == "call.recorded" and (_ for _ in ()).throw(
+                       KeyboardInterrupt)) as a:
+            order_step(a, image, 10)
+    with Agent(store, "t", disk=disk, tools=bank.tools()) as a:
+        with pytest.raises(AgentError, match="not deterministic"):
+            with a.step() as s:
+                s.call("email", {"to": "x"})
+
+
+def test_high_risk_calls_begin_their_step(setup):
+    store, disk, _ = setup
+    bank = Bank()
+    tools = bank.tools(high_risk=True)
+    with Agent(store, "t", disk=disk, tools=tools) as a:
+        with pytest.raises(AgentError, match="high-risk"):
+            with a.step() as s:
+                s.state["x"] = 1
+                s.call("charge", {"amount": 1})
+        with a.step() as s:
+            s.call("charge", {"amount": 1})
+    assert bank.runs == 1
+
+
+def test_approval_pauses_persists_and_resumes_in_another_agent(setup):
+    store, disk, _ = setup
+
+    def run(a):
+        if a.state.get("approved") is None:
+            decision = a.approval({"pay": 500})
+            with a.step("decided"):
+                a.state["approved"] = decision.decision
+        return a.state["approved"]
+
+    with pytest.raises(ApprovalPending) as pending:
+        with Agent(store, "t", disk=disk) as a:
+            run(a)
+    assert pending.value.action == {"pay": 500}
+    db = AgentDB(store)
+    assert db.thread("t").status == "waiting_approval"
+    [waiting] = db.approvals(pending_only=True)
+    assert waiting.thread == "t"
+    with pytest.raises(ApprovalPending):  # still undecided
+        with Agent(store, "t", disk=disk) as a:
+            run(a)
+    db.decide("t", "approved", comment="fine")
+    with Agent(store, "t", disk=disk) as a:
+        assert run(a) == "approved"
+    assert db.approvals(pending_only=True) == []
+    with pytest.raises(AgentError, match="no pending approval"):
+        db.decide("t", "rejected")
+
+
+def test_approvals_expire(setup):
+    store, disk, _ = setup
+    with pytest.raises(ApprovalPending):
+        with Agent(store, "t", disk=disk) as a:
+            a.approval("deploy", ttl=0.2)
+    time.sleep(0.3)
+    assert AgentDB(store).approvals(pending_only=True) == []
+    with Agent(store, "t", disk=disk) as a:
+        decision = a.approval("deploy", ttl=0.2)
+    assert decision.decision == "expired" and not decision
+
+
+def _open_in_child(store, thread, *, hold=False):
+    code = (
+        "import sys, time\n"
+        "from blockdiff.agent import Agent, ThreadBusy\n"
+        f"try:\n    a = Agent({str(store.root)!r}, {thread!r})\n"
+        "except ThreadBusy as e:\n    print(e); sys.exit(7)\n"
+        + ("print('holding', flush=True)\ntime.sleep(60)\n" if hold else "a.close()\n"))
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+
+def test_a_thread_runs_in_one_process_at_a_time(setup):
+    store, disk, _ = setup
+    Agent(store, "t").close()
+    holder = _open_in_child(store, "t", hold=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        with pytest.raises(ThreadBusy, match="refusing to run it twice"):
+            Agent(store, "t")
+        second = _open_in_child(store, "t")
+        assert second.wait(30) == 7
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder died without letting go: its lease is taken over.
+    Agent(store, "t").close()
+
+
+def test_rewind_compensates_newest_first_and_calls_get_new_ids(setup):
+    store, disk, image = setup
+    bank = Bank()
+    with Agent(store, "t", disk=disk, tools=bank.tools()) as a:
+        order_step(a, image, 10)
+        target = a.head
+        with open(image, "rb") as f:
+            expected = f.read()
+        order_step(a, image, 20)
+        order_step(a, image, 30)
+        with a.step("mail and exec") as s:
+            s.call("email", {"to": "boss"})
+            s.call("exec", {"cmd": "make"})
+            s.state["mailed"] = True
+        paid = list(a.state["paid"])
+        report = a.rewind(target)
+        assert bank.undone == [paid[2], paid[1]]            # newest first
+        assert report.uncompensable == [f"email {e.request_id}" for e in
+                                        AgentDB(store).journal("t") if e.tool == "email"]
+        assert a.state == {"i": 1, "paid": paid[:1]}
+        with open(image, "rb") as f:
+            assert f.read() == expected
+        order_step(a, image, 20)
+        assert a.state["paid"][1] not in paid                # a new request id
+    assert sorted(bank.charges.values()) == [10, 20]
+    statuses = {e.tool: e.status for e in AgentDB(store).journal("t") if e.tool != "charge"}
+    assert statuses == {"email": "uncompensable", "exec": "done"}
+    tree = AgentDB(store).tree()
+    assert "rewind to" in tree and "├─" in tree
+
+
+def test_rewind_from_another_process_leaves_compensations_for_the_agent(setup):
+    store, disk, image = setup
+    bank = Bank()
+    with Agent(store, "t", disk=disk, tools=bank.tools()) as a:
+        order_step(a, image, 10)
+        target = a.head
+        order_step(a, image, 20)
+    report = rewind_thread(store, "t", target)
+    assert len(report.pending) == 1 and bank.undone == []
+    with Agent(store, "t", disk=disk, tools=bank.tools()) as a:
+        assert len(bank.undone) == 1 and a.state["i"] == 1
+    assert list(bank.charges.values()) == [10]
+
+
+def test_failed_run_compensates_everything(setup):
+    store, disk, image = setup
+    bank = Bank()
+    a = Agent(store, "t", disk=disk, tools=bank.tools())
+    order_step(a, image, 10)
+    order_step(a, image, 20)
+    report = a.fail()
+    assert len(report.compensated) == 2 and bank.charges == {}
+    assert AgentDB(store).thread("t").status == "failed"
+
+
+def test_fork_gets_its_own_disk_and_changes_independently(setup):
+    store, disk, image = setup
+    bank = Bank()
+    with Agent(store, "t", disk=disk, tools=bank.tools()) as a:
+        order_step(a, image, 10)
+        point = a.head
+        order_step(a, image, 20)
+    head = fork_thread(store, "t", point, "t2")
+    forked_image = image.with_name("disk.t2.img")
+    with Agent(store, "t2", disk=ImageDisk(store, forked_image), tools=bank.tools()) as b:
+        assert b.head == head and b.state["i"] == 1
+        order_step(b, forked_image, 77)
+        assert [c.id for c in b.history()][2] == point   # the fork point is an ancestor
+    with open(image, "rb") as f, open(forked_image, "rb") as g:
+        f.seek(MiB)
+        g.seek(MiB)
+        assert f.read(7) == b"order 1" and g.read(7) == b"order 1"
+    assert sorted(bank.charges.values()) == [10, 20, 77]
+    threads = {t.id: t for t in AgentDB(store).threads()}
+    assert threads["t2"].forked_from == point
+    with pytest.raises(AgentError, match="already exists"):
+        fork_thread(store, "t", point, "t2")
+
+
+def test_sealed_state_needs_its_key(setup, monkeypatch):
+    store, disk, image = setup
+    key = new_key()
+    with Agent(store, "t", disk=disk, tools=Bank().tools(), key=key,
+               secrets={"api_token"}) as a:
+        a.state["api_token"] = "sk-live-123"
+        a.state["note"] = "visible only with the key"
+        order_step(a, image, 10)
+        head = a.head
+    raw = sqlite3.connect(store.root / agent_module.DB_NAME)
+    blobs = b"".join(r[0] + r[1] for r in raw.execute("SELECT state, messages FROM checkpoints"))
+    blobs += b"".join(r[0] for r in raw.execute("SELECT args FROM journal"))
+    assert b"visible only" not in blobs and b"amount" not in blobs
+    with Agent(store, "t", key=key) as a:
+        assert a.state["api_token"] == "[redacted]" and a.state["note"].startswith("visible")
+    with pytest.raises(SealingError, match="key is wrong"):
+        Agent(store, "t", key=new_key())
+    monkeypatch.delenv("BLOCKDIFF_AGENT_KEY", raising=False)
+    with pytest.raises(SealingError, match="is encrypted; set BLOCKDIFF_AGENT_KEY"):
+        Agent(store, "t")
+    env = dict(os.environ, BLOCKDIFF_AGENT_KEY=new_key())
+    done = subprocess.run([sys.executable, "-m", "blockdiff", "agent", "show", "--store",
+                           str(store.root), head], capture_output=True, text=True, env=env)
+    assert done.returncode == 10 and done.stderr.count("\n") == 1
+    assert "key is wrong" in done.stderr
+    env["BLOCKDIFF_AGENT_KEY"] = key
+    shown = subprocess.run([sys.executable, "-m", "blockdiff", "agent", "show", "--store",
+                            str(store.root), head, "--json"], capture_output=True, text=True,
+                           env=env)
+    assert shown.returncode == 0 and "visible only with the key" in shown.stdout
+
+
+def test_ttl_reaches_checkpoints_and_disk_snapshots(setup):
+    store, disk, image = setup
+    with Agent(store, "t", disk=disk, tools=Bank().tools(), ttl=3600) as a:
+        order_step(a, image, 10)
+        head = AgentDB(store).checkpoint(a.head)
+    assert head.expires == pytest.approx(head.created + 3600, abs=5)
+    assert store.get(head.disk_snapshot).expires is not None
+
+
+def test_unknown_threads_and_checkpoints(setup):
+    store, _, _ = setup
+    db = AgentDB(store)
+    with pytest.raises(UnknownThread):
+        db.history("nope")
+    with pytest.raises(UnknownCheckpoint):
+        db.checkpoint("0123456789abcdef")
+    with pytest.raises(UnknownThread):
+        Agent(store, "nope", create=False)
+    Agent(store, "t").close()
+    with pytest.raises(UnknownCheckpoint):
+        rewind_thread(store, "t", "0123456789abcdef")
+    for args, code in ((["history", "nope"], 10), (["rewind", "nope", "x"], 10),
+                       (["approve", "t"], 10), (["show", "zzz"], 10)):
+        done = subprocess.run([sys.executable, "-m", "blockdiff", "agent", *args, "--store",
+                               str(store.root)], capture_output=True, text=True)
+        assert done.returncode == code, done.stderr
+        assert done.stderr.startswith("blockdiff: error: ") and done.stderr.count("\n") == 1
+
+
+def test_cli_lists_approves_and_forks(setup):
+    store, disk, image = setup
+    with pytest.raises(ApprovalPending):
+        with Agent(store, "t", disk=disk) as a:
+            a.approval({"deploy": "prod"})
+    env = dict(os.environ, BLOCKDIFF_STORE=str(store.root))
+
+    def cli(*args):
+        done = subprocess.run([sys.executable, "-m", "blockdiff", "agent", *args],
+                              capture_output=True, text=True, env=env)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert '{"deploy": "prod"}' in cli("pending")
+    assert "waiting_approval" in cli("threads")
+    assert "rejected" in cli("reject", "t", "-m", "no")
+    assert AgentDB(store).approvals("t")[0].decision == "rejected"
+    head = AgentDB(store).thread("t").head
+    assert "forked from" in cli("fork", "t", head, "t2")
+    assert "t2" in cli("threads") and "[t2]" in cli("tree")
+    assert head in cli("history", "t2")
