@@ -432,3 +432,31 @@ def test_build_image_bad_input(xfs):
                             "linux-image-no-such-kernel"), 8)
     assert "linux-image-no-such-kernel" in line
     assert not (xfs / "x" / "manifest.json").exists()
+
+
+def test_agent_checkpoints_tie_state_to_the_vm_disk(store, box):
+    """An agent thread whose sandbox is the VM: rewinding it puts the guest's
+    files back (without a reboot), forking it makes a second VM."""
+    from blockdiff.agent import Agent, AgentDB, fork_thread
+
+    with Agent(store, "run", disk=box) as agent:
+        for k in range(3):
+            with agent.step(f"write {k}"):
+                assert box.exec(f"mkdir -p /work && echo {k} > /work/n{k}").status == 0
+                agent.state["written"] = k + 1
+        history = agent.history()
+        assert len({c.disk_snapshot for c in history}) == 4  # start + three steps
+        after_first = history[2]
+        agent.rewind(after_first.id)
+        assert box.exec("ls /work").stdout == b"n0\n"
+        assert agent.state == {"written": 1}
+        assert box.running and not box.last_restore.rebooted
+    head = fork_thread(store, "run", history[1].id, "run2")
+    with AgentDB(store) as db:
+        assert db.thread("run2").disk == "vm:run2" and db.thread("run2").head == head
+    forked = Sandbox(store, "run2")
+    try:
+        forked.start()
+        assert forked.exec("ls /work").stdout == b"n0\nn1\n"
+    finally:
+        forked.destroy()
