@@ -545,7 +545,11 @@ class Agent:
                             disk_binding(self.disk)))
                 return
             owner, until = row
-            if owner and owner != self.owner and _owner_alive(owner) and (until or 0) > now:
+            # A live owner on this host keeps the thread however long its step
+            # takes; one on another host cannot be seen, so its lease decides.
+            local = owner is not None and owner.rsplit(":", 2)[0] == socket.gethostname()
+            if owner and owner != self.owner and _owner_alive(owner) and (
+                    local or (until or 0) > now):
                 raise ThreadBusy(f"thread {self.thread_id} is being run by {owner}; refusing to "
                                  f"run it twice (wait for it, or for its lease to end)")
             binding = disk_binding(self.disk)
