@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sqlite3
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -73,7 +74,11 @@ class Catalog:
     """A connection to a store's catalog."""
 
     def __init__(self, path: str):
-        self.db = sqlite3.connect(path, timeout=60, isolation_level=None)
+        # Usable from any thread (a LangGraph checkpointer commits from its
+        # workers); the lock keeps one thread's transaction whole.
+        self.db = sqlite3.connect(path, timeout=60, isolation_level=None,
+                                  check_same_thread=False)
+        self._lock = threading.RLock()
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.execute("PRAGMA foreign_keys=ON")
@@ -85,13 +90,14 @@ class Catalog:
     @contextlib.contextmanager
     def transaction(self):
         """One atomic change: BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on error."""
-        self.db.execute("BEGIN IMMEDIATE")
-        try:
-            yield self.db
-        except BaseException:
-            self.db.execute("ROLLBACK")
-            raise
-        self.db.execute("COMMIT")
+        with self._lock:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self.db
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+            self.db.execute("COMMIT")
 
     def _migrate(self) -> None:
         with self.transaction() as db:

@@ -1,0 +1,583 @@
+"""A LangGraph checkpointer that keeps a graph's checkpoints in a blockdiff store
+and ties each one to the snapshot of the sandbox disk at that step.
+
+Install with ``pip install blockdiff[langgraph]``. Checkpoints go to their own
+SQLite database in the store directory (``langgraph.sqlite``), so any number of
+processes can share a store. With a ``disk`` (an :class:`~blockdiff.disks.ImageDisk`,
+a :class:`~blockdiff.sandbox.Sandbox`, or anything with ``checkpoint`` and
+``restore``), every checkpoint of the top-level graph first snapshots the disk
+(an unchanged disk reuses its last snapshot) and records the snapshot id, also
+in the checkpoint's metadata as ``"disk_snapshot"``. Going back to an earlier
+checkpoint then takes the disk back with it::
+
+    from blockdiff.disks import ImageDisk
+    from blockdiff.langgraph_saver import BlockdiffSaver
+
+    disk = ImageDisk("/xfs/store", "/xfs/sandbox.img")
+    saver = BlockdiffSaver("/xfs/store", disk)
+
+    def step(state, config):
+        saver.wait_for_disk(config)      # before the node touches the disk
+        ...
+
+    graph = builder.compile(checkpointer=saver)
+    config = {"configurable": {"thread_id": "task-1"}}
+    graph.invoke(inputs, config)
+
+    # replay (or fork) from an earlier step, with the disk as it was then
+    past = list(graph.get_state_history(config))[3]
+    saver.restore_disk(past.config)
+    graph.invoke(None, past.config)
+    # or: graph.invoke(None, graph.update_state(past.config, {...}))
+
+LangGraph saves a checkpoint in the background while the next step already
+runs, so a node that writes the disk calls ``saver.wait_for_disk(config)``
+(``await saver.await_for_disk(config)`` in an async node) first: it returns
+once the snapshot of the checkpoint the node runs from is taken. Without it,
+the next step's writes can end up in the previous step's snapshot.
+
+Only the top-level graph's checkpoints (``checkpoint_ns == ""``) snapshot the
+disk; a subgraph's checkpoints have none, and what a subgraph writes is in the
+parent's next snapshot. Deleting a thread keeps its disk snapshots, which other
+threads may share; ``blockdiff gc`` removes snapshots by the store's policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import os
+import random
+import sqlite3
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.base import (
+    WRITES_IDX_MAP,
+    BaseCheckpointSaver,
+    ChannelVersions,
+    Checkpoint,
+    CheckpointMetadata,
+    CheckpointTuple,
+    SerializerProtocol,
+    get_checkpoint_id,
+    get_checkpoint_metadata,
+)
+
+from blockdiff.errors import BlockdiffError
+from blockdiff.store import Store
+
+DB_NAME = "langgraph.sqlite"
+DISK_SNAPSHOT_KEY = "disk_snapshot"
+# How often a wait re-reads the database, for checkpoints saved by another
+# process or saver (those in this saver wake it at once).
+_POLL = 0.05
+_LIST_PAGE = 64
+
+# Index i holds the script that takes the database from version i to i + 1
+# (PRAGMA user_version). Append; never edit an applied one.
+MIGRATIONS = [
+    """
+    CREATE TABLE checkpoints (
+        thread_id TEXT NOT NULL,
+        checkpoint_ns TEXT NOT NULL,
+        checkpoint_id TEXT NOT NULL,
+        parent_checkpoint_id TEXT,
+        checkpoint_type TEXT NOT NULL,
+        checkpoint BLOB NOT NULL,
+        metadata_type TEXT NOT NULL,
+        metadata BLOB NOT NULL,
+        disk_snapshot TEXT,
+        created REAL NOT NULL,
+        PRIMARY KEY (thread_id, checkpoint_ns, checkpoint_id)
+    );
+    CREATE INDEX checkpoints_order ON checkpoints (checkpoint_id);
+    CREATE INDEX checkpoints_disk_snapshot ON checkpoints (disk_snapshot);
+    CREATE TABLE blobs (
+        thread_id TEXT NOT NULL,
+        checkpoint_ns TEXT NOT NULL,
+        channel TEXT NOT NULL,
+        version TEXT NOT NULL,
+        type TEXT NOT NULL,
+        value BLOB NOT NULL,
+        PRIMARY KEY (thread_id, checkpoint_ns, channel, version)
+    );
+    CREATE TABLE writes (
+        thread_id TEXT NOT NULL,
+        checkpoint_ns TEXT NOT NULL,
+        checkpoint_id TEXT NOT NULL,
+        task_id TEXT NOT NULL,
+        idx INTEGER NOT NULL,
+        channel TEXT NOT NULL,
+        type TEXT NOT NULL,
+        value BLOB NOT NULL,
+        task_path TEXT NOT NULL DEFAULT '',
+        PRIMARY KEY (thread_id, checkpoint_ns, checkpoint_id, task_id, idx)
+    );
+    """,
+]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+class SaverError(BlockdiffError):
+    """The checkpointer cannot do what was asked."""
+
+
+class MissingConfigKey(SaverError, ValueError):
+    """A config lacks a key the call needs (``thread_id``, ``checkpoint_id``)."""
+
+
+class UnknownCheckpoint(SaverError, LookupError):
+    """No checkpoint with that id in that thread."""
+
+
+class NoDiskSnapshot(SaverError):
+    """The checkpoint was saved without a disk snapshot."""
+
+
+class DiskWaitTimeout(SaverError, TimeoutError):
+    """A checkpoint's disk snapshot was not taken in time."""
+
+
+def _configurable(config: RunnableConfig | None) -> dict:
+    return (config or {}).get("configurable") or {}
+
+
+def _thread_id(config: RunnableConfig | None) -> str:
+    thread_id = _configurable(config).get("thread_id")
+    if thread_id is None or thread_id == "":
+        raise MissingConfigKey(
+            "the config has no thread_id; pass config={'configurable': {'thread_id': ...}}")
+    return str(thread_id)
+
+
+def _key_config(thread_id: str, checkpoint_ns: str, checkpoint_id: str) -> RunnableConfig:
+    return {"configurable": {"thread_id": thread_id, "checkpoint_ns": checkpoint_ns,
+                             "checkpoint_id": checkpoint_id}}
+
+
+class BlockdiffSaver(BaseCheckpointSaver[str]):
+    """LangGraph checkpoints in a blockdiff store, each tied to a disk snapshot.
+
+    ``store`` is a :class:`~blockdiff.store.Store` or its directory; ``disk``
+    follows the disk protocol of :mod:`blockdiff.disks` (None: no snapshots).
+    Close the saver when done (or use it as a context manager); a ``Store``
+    passed in stays open.
+    """
+
+    def __init__(self, store: Store | str | os.PathLike, disk: Any = None, *,
+                 serde: SerializerProtocol | None = None) -> None:
+        super().__init__(serde=serde)
+        if isinstance(store, Store):
+            self.root = Path(store.root)
+        else:
+            with Store(store) as opened:   # refuses a directory that is no store
+                self.root = Path(opened.root)
+        self.disk = disk
+        self.path = self.root / DB_NAME
+        # One connection shared by LangGraph's worker threads, used under a lock:
+        # a connection per thread would outlive pool threads and hold the file open.
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(self.path, timeout=60, isolation_level=None,
+                                   check_same_thread=False)
+        try:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._migrate()
+        except BaseException:
+            self._db.close()
+            raise
+        # Disk calls are serialised: a snapshot and a restore of one disk must
+        # never overlap, and ImageDisk refuses a second commit as busy.
+        self._disk_lock = threading.Lock()
+        self._saved = threading.Condition()
+        # thread id -> (checkpoint id, error) of a top-level save that failed.
+        # LangGraph then skips the saves queued behind it, so nodes waiting on
+        # any later checkpoint of that thread must give up too.
+        self._failed: dict[str, tuple[str, BaseException]] = {}
+
+    # ------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> BlockdiffSaver:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def schema_version(self) -> int:
+        with self._lock:
+            return self._db.execute("PRAGMA user_version").fetchone()[0]
+
+    @contextlib.contextmanager
+    def _write(self):
+        """One atomic change; BEGIN IMMEDIATE so that writers in other processes
+        queue on the database lock instead of failing at COMMIT."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    @contextlib.contextmanager
+    def _read(self):
+        """Several reads that see one state of the database, whatever other
+        processes commit meanwhile."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                yield self._db
+            finally:
+                self._db.execute("COMMIT")
+
+    def _migrate(self) -> None:
+        with self._write() as db:
+            (version,) = db.execute("PRAGMA user_version").fetchone()
+            if version > SCHEMA_VERSION:
+                raise SaverError(f"{self.path} has schema version {version}, newer than this "
+                                 f"blockdiff knows ({SCHEMA_VERSION}); upgrade blockdiff")
+            for number, script in enumerate(MIGRATIONS[version:], version + 1):
+                for statement in script.split(";"):
+                    if statement.strip():
+                        db.execute(statement)
+                db.execute(f"PRAGMA user_version = {number}")
+
+    # -------------------------------------------------------------- reading
+
+    def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        """The checkpoint the config names, or the thread's latest; None if none."""
+        thread_id = _thread_id(config)
+        checkpoint_ns = _configurable(config).get("checkpoint_ns", "")
+        checkpoint_id = get_checkpoint_id(config)
+        with self._read() as db:
+            if checkpoint_id:
+                row = db.execute(
+                    "SELECT checkpoint_id FROM checkpoints WHERE thread_id = ? "
+                    "AND checkpoint_ns = ? AND checkpoint_id = ?",
+                    (thread_id, checkpoint_ns, checkpoint_id)).fetchone()
+            else:
+                row = db.execute(
+                    "SELECT checkpoint_id FROM checkpoints WHERE thread_id = ? "
+                    "AND checkpoint_ns = ? ORDER BY checkpoint_id DESC LIMIT 1",
+                    (thread_id, checkpoint_ns)).fetchone()
+            if row is None:
+                return None
+            return self._load(db, thread_id, checkpoint_ns, row[0])
+
+    def _load(self, db, thread_id: str, checkpoint_ns: str,
+              checkpoint_id: str) -> CheckpointTuple | None:
+        row = db.execute(
+            "SELECT parent_checkpoint_id, checkpoint_type, checkpoint, metadata_type, metadata "
+            "FROM checkpoints WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?",
+            (thread_id, checkpoint_ns, checkpoint_id)).fetchone()
+        if row is None:
+            return None
+        parent_id, checkpoint_type, checkpoint_blob, metadata_type, metadata_blob = row
+        checkpoint: Checkpoint = self.serde.loads_typed((checkpoint_type, checkpoint_blob))
+        versions = checkpoint["channel_versions"]
+        wanted = [(channel, str(version)) for channel, version in versions.items()]
+        values: dict[str, Any] = {}
+        # Blobs are looked up by (channel, version) pairs: a checkpoint stores only
+        # the channels that changed, and shares the rest with its ancestors.
+        for channel, value_type, value in db.execute(
+                "SELECT b.channel, b.type, b.value FROM blobs b "
+                "JOIN json_each(?) w ON b.channel = json_extract(w.value, '$[0]') "
+                "AND b.version = json_extract(w.value, '$[1]') "
+                "WHERE b.thread_id = ? AND b.checkpoint_ns = ?",
+                (json.dumps(wanted), thread_id, checkpoint_ns)):
+            if value_type != "empty":
+                values[channel] = self.serde.loads_typed((value_type, value))
+        writes = [
+            (task_id, channel, self.serde.loads_typed((value_type, value)))
+            for task_id, channel, value_type, value in db.execute(
+                "SELECT task_id, channel, type, value FROM writes WHERE thread_id = ? "
+                "AND checkpoint_ns = ? AND checkpoint_id = ? ORDER BY task_path, task_id, idx",
+                (thread_id, checkpoint_ns, checkpoint_id))]
+        return CheckpointTuple(
+            config=_key_config(thread_id, checkpoint_ns, checkpoint_id),
+            checkpoint={**checkpoint, "channel_values": values},
+            metadata=self.serde.loads_typed((metadata_type, metadata_blob)),
+            parent_config=(_key_config(thread_id, checkpoint_ns, parent_id)
+                           if parent_id else None),
+            pending_writes=writes,
+        )
+
+    def list(self, config: RunnableConfig | None, *, filter: dict[str, Any] | None = None,
+             before: RunnableConfig | None = None,
+             limit: int | None = None) -> Iterator[CheckpointTuple]:
+        """Checkpoints, newest first: of the config's thread (every thread if
+        None), namespace and checkpoint id when it gives them; whose metadata
+        has every ``filter`` item; older than ``before``; at most ``limit``."""
+        conf = _configurable(config)
+        where, params = [], []
+        for key in ("thread_id", "checkpoint_ns", "checkpoint_id"):
+            if conf.get(key) is not None and (key == "checkpoint_ns" or conf.get(key) != ""):
+                where.append(f"{key} = ?")
+                params.append(str(conf[key]))
+        if before is not None and (before_id := get_checkpoint_id(before)):
+            where.append("checkpoint_id < ?")
+            params.append(before_id)
+        remaining = limit
+        last: tuple[str, str, str] | None = None
+        while remaining is None or remaining > 0:
+            # Fetched a page at a time and not held open across yields, so
+            # the caller may write (or stop) between items.
+            page_where = list(where)
+            page_params = list(params)
+            if last is not None:
+                page_where.append("(checkpoint_id, thread_id, checkpoint_ns) < (?, ?, ?)")
+                page_params.extend(last)
+            with self._lock:
+                rows = self._db.execute(
+                    "SELECT checkpoint_id, thread_id, checkpoint_ns, metadata_type, metadata "
+                    "FROM checkpoints" + (" WHERE " + " AND ".join(page_where) if page_where
+                                          else "")
+                    + " ORDER BY checkpoint_id DESC, thread_id DESC, checkpoint_ns DESC LIMIT ?",
+                    (*page_params, _LIST_PAGE)).fetchall()
+            if not rows:
+                return
+            last = rows[-1][:3]
+            for checkpoint_id, thread_id, checkpoint_ns, metadata_type, metadata in rows:
+                if filter:
+                    found = self.serde.loads_typed((metadata_type, metadata))
+                    if not all(found.get(key) == value for key, value in filter.items()):
+                        continue
+                with self._read() as db:
+                    item = self._load(db, thread_id, checkpoint_ns, checkpoint_id)
+                if item is None:      # deleted since the page was read
+                    continue
+                yield item
+                if remaining is not None:
+                    remaining -= 1
+                    if remaining <= 0:
+                        return
+            if len(rows) < _LIST_PAGE:
+                return
+
+    # -------------------------------------------------------------- writing
+
+    def put(self, config: RunnableConfig, checkpoint: Checkpoint, metadata: CheckpointMetadata,
+            new_versions: ChannelVersions) -> RunnableConfig:
+        """Save a checkpoint, after snapshotting the disk when it is top-level."""
+        thread_id = _thread_id(config)
+        checkpoint_ns = _configurable(config).get("checkpoint_ns", "")
+        try:
+            # The disk first: a checkpoint must never name a snapshot that does
+            # not exist, while a snapshot whose checkpoint failed to save is
+            # only garbage for the store's gc.
+            snapshot = None
+            if self.disk is not None and checkpoint_ns == "":
+                snapshot = self._disk_call(
+                    "checkpoint", message=f"langgraph {thread_id} step {metadata.get('step')}",
+                    meta={"langgraph.thread": thread_id,
+                          "langgraph.checkpoint": checkpoint["id"]},
+                    skip_unchanged=True)
+            stored = checkpoint.copy()
+            values: dict[str, Any] = stored.pop("channel_values")  # type: ignore[misc]
+            blobs = []
+            for channel, version in new_versions.items():
+                value_type, value = (self.serde.dumps_typed(values[channel])
+                                     if channel in values else ("empty", b""))
+                blobs.append((thread_id, checkpoint_ns, channel, str(version), value_type, value))
+            meta = dict(get_checkpoint_metadata(config, metadata))
+            # The key always tells the truth about this checkpoint: metadata
+            # copied from a loaded checkpoint may carry that one's snapshot.
+            meta.pop(DISK_SNAPSHOT_KEY, None)
+            if snapshot is not None:
+                meta[DISK_SNAPSHOT_KEY] = snapshot
+            checkpoint_type, checkpoint_blob = self.serde.dumps_typed(stored)
+            metadata_type, metadata_blob = self.serde.dumps_typed(meta)
+            with self._write() as db:
+                db.executemany("INSERT OR REPLACE INTO blobs VALUES (?, ?, ?, ?, ?, ?)", blobs)
+                db.execute(
+                    "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (thread_id, checkpoint_ns, checkpoint["id"],
+                     _configurable(config).get("checkpoint_id"), checkpoint_type,
+                     checkpoint_blob, metadata_type, metadata_blob, snapshot, time.time()))
+        except BaseException as e:
+            if checkpoint_ns == "":
+                with self._saved:
+                    self._failed[thread_id] = (checkpoint["id"], e)
+                    self._saved.notify_all()
+            raise
+        with self._saved:
+            failed = self._failed.get(thread_id)
+            if failed is not None and failed[0] <= checkpoint["id"]:
+                del self._failed[thread_id]
+            self._saved.notify_all()
+        return _key_config(thread_id, checkpoint_ns, checkpoint["id"])
+
+    def put_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]],
+                   task_id: str, task_path: str = "") -> None:
+        """Save a task's writes against the checkpoint the config names."""
+        thread_id = _thread_id(config)
+        checkpoint_ns = _configurable(config).get("checkpoint_ns", "")
+        checkpoint_id = get_checkpoint_id(config)
+        if not checkpoint_id:
+            raise MissingConfigKey("put_writes needs the config of a saved checkpoint; "
+                                   "this one has no checkpoint_id")
+        rows = []
+        for idx, (channel, value) in enumerate(writes):
+            value_type, blob = self.serde.dumps_typed(value)
+            rows.append((WRITES_IDX_MAP.get(channel, idx), channel, value_type, blob))
+        with self._write() as db:
+            for idx, channel, value_type, blob in rows:
+                # A task's ordinary writes are final once saved (a retry must
+                # not change them); its special writes (error, interrupt,
+                # resume) are replaced by the latest.
+                verb = "INSERT OR IGNORE" if idx >= 0 else "INSERT OR REPLACE"
+                db.execute(f"{verb} INTO writes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                           (thread_id, checkpoint_ns, checkpoint_id, task_id, idx, channel,
+                            value_type, blob, task_path))
+
+    def delete_thread(self, thread_id: str) -> None:
+        """Delete a thread's checkpoints and writes (its disk snapshots stay)."""
+        with self._write() as db:
+            for table in ("checkpoints", "blobs", "writes"):
+                db.execute(f"DELETE FROM {table} WHERE thread_id = ?", (str(thread_id),))
+
+    def get_next_version(self, current: str | None, channel: None = None) -> str:
+        if current is None:
+            current_v = 0
+        elif isinstance(current, int):
+            current_v = current
+        else:
+            current_v = int(current.split(".")[0])
+        # The random fraction keeps versions written by two diverging forks of
+        # one thread from colliding in the blobs table.
+        return f"{current_v + 1:032}.{random.random():016}"
+
+    # ---------------------------------------------------------------- async
+
+    async def _in_thread(self, fn, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(fn, *args, **kwargs))
+
+    async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        return await self._in_thread(self.get_tuple, config)
+
+    async def alist(self, config: RunnableConfig | None, *,
+                    filter: dict[str, Any] | None = None, before: RunnableConfig | None = None,
+                    limit: int | None = None) -> AsyncIterator[CheckpointTuple]:
+        items = self.list(config, filter=filter, before=before, limit=limit)
+        done = object()
+        while (item := await self._in_thread(next, items, done)) is not done:
+            yield item
+
+    async def aput(self, config: RunnableConfig, checkpoint: Checkpoint,
+                   metadata: CheckpointMetadata, new_versions: ChannelVersions) -> RunnableConfig:
+        return await self._in_thread(self.put, config, checkpoint, metadata, new_versions)
+
+    async def aput_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]],
+                          task_id: str, task_path: str = "") -> None:
+        await self._in_thread(self.put_writes, config, writes, task_id, task_path)
+
+    async def adelete_thread(self, thread_id: str) -> None:
+        await self._in_thread(self.delete_thread, thread_id)
+
+    # ----------------------------------------------------------------- disk
+
+    def _disk_call(self, method: str, *args, **kwargs):
+        # LangGraph saves from its worker threads: one disk operation at a time.
+        with self._disk_lock:
+            return getattr(self.disk, method)(*args, **kwargs)
+
+    def disk_snapshot(self, config: RunnableConfig) -> str | None:
+        """The disk snapshot of the checkpoint the config names (of the thread's
+        latest if it names none); None if it has none or the thread has no
+        checkpoint. ``UnknownCheckpoint`` if the named checkpoint is not saved."""
+        thread_id = _thread_id(config)
+        checkpoint_ns = _configurable(config).get("checkpoint_ns", "")
+        checkpoint_id = get_checkpoint_id(config)
+        with self._lock:
+            if checkpoint_id:
+                row = self._db.execute(
+                    "SELECT disk_snapshot FROM checkpoints WHERE thread_id = ? "
+                    "AND checkpoint_ns = ? AND checkpoint_id = ?",
+                    (thread_id, checkpoint_ns, checkpoint_id)).fetchone()
+                if row is None:
+                    raise UnknownCheckpoint(
+                        f"no checkpoint {checkpoint_id!r} in thread {thread_id!r}"
+                        + (f" (namespace {checkpoint_ns!r})" if checkpoint_ns else "")
+                        + f" of {self.path}; list them with graph.get_state_history(config)")
+            else:
+                row = self._db.execute(
+                    "SELECT disk_snapshot FROM checkpoints WHERE thread_id = ? "
+                    "AND checkpoint_ns = ? ORDER BY checkpoint_id DESC LIMIT 1",
+                    (thread_id, checkpoint_ns)).fetchone()
+        return None if row is None else row[0]
+
+    def restore_disk(self, config: RunnableConfig) -> str:
+        """Make the disk what it was at the checkpoint the config names (the
+        thread's latest if it names none); returns the snapshot id. Call it
+        before replaying or forking from that checkpoint."""
+        if self.disk is None:
+            raise SaverError("this saver has no disk to restore; "
+                             "construct it as BlockdiffSaver(store, disk)")
+        snapshot = self.disk_snapshot(config)
+        if snapshot is None:
+            thread_id = _thread_id(config)
+            checkpoint_id = get_checkpoint_id(config)
+            if checkpoint_id is None and self.get_tuple(config) is None:
+                raise UnknownCheckpoint(f"thread {thread_id!r} has no checkpoint in {self.path}")
+            which = f"checkpoint {checkpoint_id}" if checkpoint_id else "the latest checkpoint"
+            raise NoDiskSnapshot(f"{which} of thread {thread_id!r} has no disk snapshot: it was "
+                                 f"saved without a disk, or by a subgraph")
+        self._disk_call("restore", snapshot)
+        return snapshot
+
+    def wait_for_disk(self, config: RunnableConfig, timeout: float | None = 300.0) -> None:
+        """Wait until the disk snapshot of the checkpoint a node runs from is
+        taken; call it with the node's ``config`` before the node writes to the
+        disk. Returns at once without a disk, or when LangGraph saves only on
+        exit (``durability="exit"``), which takes no snapshot between steps."""
+        if self.disk is None:
+            return
+        conf = _configurable(config)
+        # LangGraph passes the mode to nodes only under this internal key, and
+        # only when it is not the default ("async", which saves between steps).
+        if conf.get("__pregel_durability") == "exit":
+            return
+        thread_id = _thread_id(config)
+        checkpoint_id = (conf.get("checkpoint_map") or {}).get("")
+        if checkpoint_id is None and conf.get("checkpoint_ns", "") == "":
+            checkpoint_id = conf.get("checkpoint_id")
+        if not checkpoint_id:
+            raise MissingConfigKey("wait_for_disk needs the config LangGraph passes to a node "
+                                   "(it names the checkpoint the node runs from)")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._saved:
+            while True:
+                with self._lock:
+                    if self._db.execute(
+                            "SELECT 1 FROM checkpoints WHERE thread_id = ? AND checkpoint_ns = '' "
+                            "AND checkpoint_id = ?", (thread_id, checkpoint_id)).fetchone():
+                        return
+                failed_id, error = self._failed.get(thread_id, (None, None))
+                if failed_id is not None and failed_id <= checkpoint_id:
+                    raise SaverError(f"saving checkpoint {failed_id} of thread {thread_id!r} "
+                                     f"failed: {error}") from error
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise DiskWaitTimeout(
+                        f"checkpoint {checkpoint_id} of thread {thread_id!r} was not saved "
+                        f"within {timeout:g} s; is the graph compiled with this saver?")
+                self._saved.wait(_POLL if left is None else min(left, _POLL))
+
+    async def await_for_disk(self, config: RunnableConfig,
+                             timeout: float | None = 300.0) -> None:
+        """``wait_for_disk`` for async nodes."""
+        await self._in_thread(self.wait_for_disk, config, timeout)
