@@ -492,7 +492,7 @@ class Agent:
                  key: bytes | str | None = None, secrets: Iterable[str] = (),
                  redactor: Callable | None = None, ttl: float | None = None,
                  lease: float = DEFAULT_LEASE, create: bool = True,
-                 trace: Callable[[str], None] | None = None):
+                 reopen_failed: bool = False, trace: Callable[[str], None] | None = None):
         if not thread_id or "/" in thread_id:
             raise UsageError(f"bad thread id {thread_id!r}")
         self.store = store if isinstance(store, Store) else open_store(store)
@@ -524,9 +524,19 @@ class Agent:
                     head = self.db.checkpoint(info.head)
                     if head.disk_snapshot:
                         self.disk.restore(head.disk_snapshot)
-            self.run_pending_compensations()
+            report = self.run_pending_compensations()
+            if self._status_at_open in ("failing", "failed") and not reopen_failed:
+                if self._status_at_open == "failing" and not report.pending:
+                    self.close("failed")
+                else:
+                    self.close(self._status_at_open)
+                raise ThreadFailed(f"thread {thread_id} failed and its effects were compensated"
+                                   + (f" ({len(report.pending)} compensations still need the "
+                                      f"agent's tools)" if report.pending else "")
+                                   + "; rewind it to a checkpoint or fork it to go on")
         except BaseException:
-            self.close()
+            if self.db is not None and not getattr(self, "_closed", False):
+                self.close()
             raise
 
     # ------------------------------------------------------------- lease
@@ -539,12 +549,15 @@ class Agent:
             if row is None:
                 if not create:
                     raise UnknownThread(f"no thread {self.thread_id!r} in {self.store.root}")
+                self._status_at_open = "new"
                 db.execute("INSERT INTO threads (id, created, status, owner, lease_until, disk) "
                            "VALUES (?, ?, 'running', ?, ?, ?)",
                            (self.thread_id, now, self.owner, now + self.lease,
                             disk_binding(self.disk)))
                 return
             owner, until = row
+            self._status_at_open = db.execute("SELECT status FROM threads WHERE id = ?",
+                                              (self.thread_id,)).fetchone()[0]
             # A live owner on this host keeps the thread however long its step
             # takes; one on another host cannot be seen, so its lease decides.
             local = owner is not None and owner.rsplit(":", 2)[0] == socket.gethostname()
@@ -566,6 +579,9 @@ class Agent:
                            (status, self.thread_id, self.owner))
 
     def close(self, status: str | None = None) -> None:
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         self._release(status)
         self.db.close()
 
@@ -691,6 +707,7 @@ class Agent:
                            (approval_id, self.thread_id, self.head,
                             self.codec.encode(action, f"approval {approval_id}"), now,
                             now + ttl if ttl else None))
+            self._approvals_asked = (self.head, count - 1)  # asking again means this one
             raise ApprovalPending(self.thread_id, approval_id, action)
         decision, expires = row
         if decision is None:
@@ -699,6 +716,7 @@ class Agent:
                     db.execute("UPDATE approvals SET decision = 'expired', decided = ? "
                                "WHERE id = ? AND decision IS NULL", (time.time(), approval_id))
             else:
+                self._approvals_asked = (self.head, count - 1)
                 raise ApprovalPending(self.thread_id, approval_id, action)
         return next(a for a in self.db.approvals(self.thread_id, codec=self.codec)
                     if a.id == approval_id)
@@ -794,11 +812,6 @@ class Agent:
             f"AND status IN ('done', 'intent', 'compensating') ORDER BY seq DESC",
             (self.thread_id, *bases))]
 
-    def _mark_for_compensation(self, rids: list[str]) -> None:
-        with self.db.transaction() as db:
-            for rid in rids:
-                db.execute("UPDATE journal SET undo = 'pending' WHERE request_id = ?", (rid,))
-
     def run_pending_compensations(self) -> Compensation:
         """Run the compensations a rewind or a failure left pending (newest
         first); each is journalled and passes the tool the same undo id every
@@ -824,7 +837,12 @@ class Agent:
             args = self.codec.decode(args_blob, context + " args")
             result = self.codec.decode(result_blob, context) if result_blob else None
             if status == "intent":
-                settled = self._settle(tool, rid, args)
+                settled = self._settle_for_undo(tool, rid, args)
+                if settled is None:
+                    self._set_status(rid, "uncompensable")
+                    report.uncompensable.append(f"{tool_name} {rid} (in doubt: the tool "
+                                                f"cannot say whether it took effect)")
+                    continue
                 if settled is NOT_APPLIED:
                     self._set_undo(rid, "never took effect")
                     self._set_status(rid, "compensated")
@@ -838,6 +856,21 @@ class Agent:
             self._set_undo(rid, "done")
             report.compensated.append(f"{tool_name} {rid}")
         return report
+
+    def _settle_for_undo(self, tool: Tool, rid: str, args: dict):
+        """A call in flight when its process died, about to be undone: its
+        result if it took effect, NOT_APPLIED if not, None if nobody can say.
+        An idempotent tool without a check is run again under the same id,
+        which takes effect once, to learn the result to compensate."""
+        if tool.check is not None:
+            result = tool.check(rid)
+        elif tool.idempotent:
+            result = tool.run(args, rid)
+        else:
+            return None
+        if result is not NOT_APPLIED:
+            self._record(rid, "done", result)
+        return result
 
     def _set_status(self, rid: str, status: str) -> None:
         with self.db.transaction() as db:
@@ -861,15 +894,34 @@ class Agent:
                 c.id for c in self.db.history(self.thread_id)}:
             raise UnknownCheckpoint(f"checkpoint {checkpoint_id} is not in thread "
                                     f"{self.thread_id}'s history")
-        self._mark_for_compensation(self._effects_after(checkpoint_id))
-        self.trace("rewind.marked")
-        report = self.run_pending_compensations()
+        # One transaction marks what to undo and makes the rewound node the
+        # head: a process dying anywhere after it resumes at the rewound state
+        # (the disk follows the head on open) and finishes the compensations.
+        rids = self._effects_after(checkpoint_id)
         self._load(checkpoint_id)
+        rewound = _new_id()
+        now = time.time()
+        with self.db.transaction() as db:
+            self._check_owner(db)
+            for rid in rids:
+                db.execute("UPDATE journal SET undo = 'pending' WHERE request_id = ?", (rid,))
+            db.execute(
+                "INSERT INTO checkpoints (id, thread, parent, step, version, created, expires, "
+                "reason, state, messages, content_hash, disk_snapshot, meta) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (rewound, self.thread_id, checkpoint_id, target.step + 1, FORMAT_VERSION, now,
+                 now + self.ttl if self.ttl else None, f"rewind to {checkpoint_id}",
+                 self.codec.encode(self.state, self._context(rewound, "state")),
+                 self.codec.encode(self.messages, self._context(rewound, "messages")),
+                 target.content_hash, target.disk_snapshot,
+                 json.dumps({"rewound_from": self.head})))
+            db.execute("UPDATE threads SET head = ?, lease_until = ? WHERE id = ?",
+                       (rewound, now + self.lease, self.thread_id))
+        self.head = rewound
+        self.trace("rewind.marked")
         if self.disk is not None and target.disk_snapshot:
             self.disk.restore(target.disk_snapshot)
-        self._checkpoint(f"rewind to {checkpoint_id}", {"rewound_from": self.head},
-                         parent=checkpoint_id, force=True)
-        return report
+        return self.run_pending_compensations()
 
     def fail(self, to: str | None = None) -> Compensation:
         """End a failed run: compensate every effect since ``to`` (default:
@@ -878,13 +930,25 @@ class Agent:
         if not history:
             return Compensation()
         target = to or history[-1].id
-        self._mark_for_compensation(self._effects_after(target))
+        rids = self._effects_after(target)
+        # 'failing' first, with what to undo, in one transaction: a process
+        # dying during the compensations leaves a thread that, opened again,
+        # finishes them and ends failed instead of carrying on.
+        with self.db.transaction() as db:
+            for rid in rids:
+                db.execute("UPDATE journal SET undo = 'pending' WHERE request_id = ?", (rid,))
+            db.execute("UPDATE threads SET status = 'failing' WHERE id = ?", (self.thread_id,))
+        self.trace("rewind.marked")
         report = self.run_pending_compensations()
         self.close("failed")
         return report
 
     def history(self) -> list[Checkpoint]:
         return self.db.history(self.thread_id)
+
+
+class ThreadFailed(AgentError):
+    """The thread's run failed (and was compensated); it is not resumed."""
 
 
 class ToolFailed(AgentError):
@@ -1004,5 +1068,5 @@ def rewind_thread(store: Store, thread_id: str, checkpoint_id: str, *, key=None)
     finally:
         info.close()
     disk = bound_disk(store, binding)
-    with Agent(store, thread_id, disk=disk, key=key, create=False) as agent:
+    with Agent(store, thread_id, disk=disk, key=key, create=False, reopen_failed=True) as agent:
         return agent.rewind(checkpoint_id)

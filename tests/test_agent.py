@@ -21,6 +21,7 @@ from blockdiff.agent import (
     ApprovalPending,
     InDoubt,
     ThreadBusy,
+    ThreadFailed,
     Tool,
     UnknownCheckpoint,
     UnknownThread,
@@ -312,9 +313,18 @@ def test_failed_run_compensates_everything(setup):
     a = Agent(store, "t", disk=disk, tools=bank.tools())
     order_step(a, image, 10)
     order_step(a, image, 20)
+    start = a.history()[-1].id
     report = a.fail()
     assert len(report.compensated) == 2 and bank.charges == {}
     assert AgentDB(store).thread("t").status == "failed"
+    with pytest.raises(ThreadFailed, match="rewind it to a checkpoint or fork it"):
+        Agent(store, "t", disk=disk, tools=bank.tools())
+    # Rewound to its start, a failed thread runs again, under new request ids.
+    rewind_thread(store, "t", start)
+    with Agent(store, "t", disk=disk, tools=bank.tools()) as a:
+        assert a.state == {}
+        order_step(a, image, 30)
+    assert sorted(bank.charges.values()) == [30]
 
 
 def test_fork_gets_its_own_disk_and_changes_independently(setup):
