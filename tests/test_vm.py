@@ -460,3 +460,19 @@ def test_agent_checkpoints_tie_state_to_the_vm_disk(store, box):
         assert forked.exec("ls /work").stdout == b"n0\nn1\n"
     finally:
         forked.destroy()
+
+
+def test_an_unchanged_running_vm_is_not_snapshotted_again(store, box):
+    first = box.checkpoint("one", skip_unchanged=True)
+    nodes = len(store.log())
+    assert box.checkpoint("same", skip_unchanged=True) == first
+    # Written but still only in the guest's page cache: the check flushes it.
+    box.exec("echo x > /new-file")
+    second = box.checkpoint("changed", skip_unchanged=True)
+    assert second != first and len(store.log()) == nodes + 1
+    box.exec("sync")
+    assert box.checkpoint("same again", skip_unchanged=True) == second
+    box.stop()
+    box.restore(second)
+    box.start()
+    assert box.exec("cat /new-file").stdout == b"x\n"
