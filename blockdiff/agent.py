@@ -360,10 +360,36 @@ class AgentDB:
         """The head's ancestry, newest first (crossing into the thread forked from)."""
         out, cursor = [], self.thread(thread_id).head
         while cursor:
-            cp = self.checkpoint(cursor)
-            out.append(cp)
-            cursor = cp.parent
+            row = self.db.execute(self._CP + " WHERE id = ?", (cursor,)).fetchone()
+            if row is None:
+                break  # older checkpoints expired and were collected
+            out.append(self._checkpoint(row))
+            cursor = out[-1].parent
         return out
+
+    def gc(self, *, now: float | None = None, dry_run: bool = False) -> list[Checkpoint]:
+        """Remove checkpoints past their expiry, except a thread's head and
+        one a pending approval waits at, and the disk snapshots that only
+        they used (``Store.rm`` keeps every other snapshot restorable)."""
+        now = time.time() if now is None else now
+        with self.transaction() as db:
+            keep = {r[0] for r in db.execute("SELECT head FROM threads WHERE head IS NOT NULL")}
+            keep |= {r[0] for r in db.execute("SELECT checkpoint FROM approvals "
+                                              "WHERE decision IS NULL")}
+            expired = [self._checkpoint(r) for r in db.execute(
+                self._CP + " WHERE expires IS NOT NULL AND expires <= ? ORDER BY seq", (now,))
+                if r[0] not in keep]
+            if dry_run or not expired:
+                return expired
+            db.executemany("DELETE FROM checkpoints WHERE id = ?", [(c.id,) for c in expired])
+            still_used = {r[0] for r in db.execute(
+                "SELECT DISTINCT disk_snapshot FROM checkpoints WHERE disk_snapshot IS NOT NULL")}
+        from blockdiff.store import UnknownSnapshot
+
+        for snapshot in {c.disk_snapshot for c in expired if c.disk_snapshot} - still_used:
+            with contextlib.suppress(UnknownSnapshot):
+                self.store.rm(snapshot)
+        return expired
 
     def tree(self) -> str:
         """Every thread's checkpoints as one tree: forks and rewinds branch."""
@@ -621,7 +647,9 @@ class Agent:
         if self.disk is not None:
             t = time.monotonic()
             disk_snapshot = self.disk.checkpoint(
-                f"agent {thread}: {reason}", {"agent.thread": thread}, ttl=self.ttl,
+                # No TTL on the disk snapshot: the store's gc does not know
+                # which one a thread's head needs; AgentDB.gc removes them.
+                f"agent {thread}: {reason}", {"agent.thread": thread},
                 skip_unchanged=True)
             disk_seconds = time.monotonic() - t
             self.trace("checkpoint.disk")

@@ -991,6 +991,26 @@ def agent_fork(thread, checkpoint_id, new_thread, store_path):
     click.echo(f"{new_thread}: forked from {checkpoint_id}; head {head}")
 
 
+@agent.command("gc")
+@store_option
+@click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
+@reports_errors
+def agent_gc(store_path, dry_run):
+    """Remove expired checkpoints and the disk snapshots only they used.
+
+    A thread's head and a checkpoint an approval waits at are kept.
+
+    \b
+    Example:
+      blockdiff agent gc --store S --dry-run
+    """
+    removed = _agent_db(store_path).gc(dry_run=dry_run)
+    verb = "would remove" if dry_run else "removed"
+    for c in removed:
+        click.echo(f"{verb} {c.id}  [{c.thread}] step {c.step}: {c.reason}")
+    click.echo(f"{verb} {len(removed)} expired checkpoint(s)")
+
+
 @agent.command("keygen")
 @reports_errors
 def agent_keygen():

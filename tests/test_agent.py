@@ -383,13 +383,31 @@ def test_sealed_state_needs_its_key(setup, monkeypatch):
     assert shown.returncode == 0 and "visible only with the key" in shown.stdout
 
 
-def test_ttl_reaches_checkpoints_and_disk_snapshots(setup):
+def test_expired_checkpoints_are_collected_with_their_disk_snapshots(setup):
     store, disk, image = setup
     with Agent(store, "t", disk=disk, tools=Bank().tools(), ttl=3600) as a:
-        order_step(a, image, 10)
+        for amount in (10, 20, 30):
+            order_step(a, image, amount)
         head = AgentDB(store).checkpoint(a.head)
+        with open(image, "rb") as f:
+            expected = f.read()
     assert head.expires == pytest.approx(head.created + 3600, abs=5)
-    assert store.get(head.disk_snapshot).expires is not None
+    with AgentDB(store) as db:
+        assert db.gc() == []                                   # nothing expired yet
+        later = time.time() + 7200
+        doomed = db.gc(now=later, dry_run=True)
+        assert len(doomed) == 3 and head.id not in {c.id for c in doomed}
+        assert len(db.history("t")) == 4
+        db.gc(now=later)
+        assert [c.id for c in db.history("t")] == [head.id]
+    used = {c.disk_snapshot for c in doomed} - {head.disk_snapshot}
+    assert not used & {s.id for s in store.log()}               # their disk snapshots went
+    assert store.verify() == {}
+    write(image, 0, b"scribble")
+    with Agent(store, "t", disk=disk, tools=Bank().tools()) as a:  # resumes from the head
+        assert a.state["i"] == 3
+    with open(image, "rb") as f:
+        assert f.read() == expected
 
 
 def test_unknown_threads_and_checkpoints(setup):
