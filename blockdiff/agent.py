@@ -140,6 +140,12 @@ class InDoubt(AgentError):
     whether it took effect: running it again could do it twice."""
 
 
+class NotApplied(Exception):
+    """Raised by a tool whose call failed without taking effect (a declined
+    payment, a rejected request). Any other exception leaves the call in
+    doubt, to be settled before it is retried."""
+
+
 class ApprovalPending(AgentError):
     """Raised to stop a run that waits for a human; not a failure."""
 
@@ -158,7 +164,8 @@ class ApprovalPending(AgentError):
 class Tool:
     """Something an agent calls with effects the journal must account for.
 
-    ``run(args, request_id)`` does it and returns a JSON-serialisable result;
+    ``run(args, request_id)`` does it and returns a JSON-serialisable result,
+    or raises :class:`NotApplied` when it failed without taking effect;
     passing ``request_id`` on as an idempotency key is what makes retries safe.
     ``check(request_id)`` tells whether a request took effect: its result, or
     :data:`NOT_APPLIED`. ``compensate(args, result, request_id)`` undoes it.
@@ -803,12 +810,16 @@ class Agent:
     def _run(self, tool: Tool, rid: str, args: dict):
         try:
             result = tool.run(args, rid)
-        except Exception as e:
-            # A tool that raised did not take effect (its contract); the step
-            # fails, and a retry of it runs the call again.
+        except NotApplied as e:
+            # The tool says it did nothing: the call is as if never made.
             with self.db.transaction() as db:
                 db.execute("DELETE FROM journal WHERE request_id = ? AND status = 'intent'",
                            (rid,))
+            raise ToolFailed(f"{tool.name} failed: {e}") from e
+        except Exception as e:
+            # Any other failure (a timeout, a lost answer) may have taken
+            # effect: the intent stays, and the step's next run settles it
+            # (check, idempotent retry, or InDoubt) before calling again.
             raise ToolFailed(f"{tool.name} failed: {e}") from e
         self.trace("call.ran")
         self._record(rid, "done", result)

@@ -59,6 +59,7 @@ from blockdiff.agent import (
     AgentDB,
     AgentError,
     ApprovalPending,
+    NotApplied,
     ThreadBusy,
     ThreadFailed,
     Tool,
@@ -166,8 +167,8 @@ def sandbox_skip(disk: str, order: dict, decision: str) -> None:
 # ------------------------------------------------------------ the tool
 
 
-class Declined(Exception):
-    """The service refused the payment for good (HTTP 402)."""
+class Declined(NotApplied):
+    """The service refused the payment for good (HTTP 402): nothing charged."""
 
 
 class ServiceError(Exception):

@@ -451,3 +451,30 @@ def test_cli_lists_approves_and_forks(setup):
     assert "forked from" in cli("fork", "t", head, "t2")
     assert "t2" in cli("threads") and "[t2]" in cli("tree")
     assert head in cli("history", "t2")
+
+
+def test_a_tool_that_fails_may_have_taken_effect_unless_it_says_not(setup):
+    store, disk, image = setup
+    bank = Bank()
+    attempts = []
+
+    def flaky(args, rid):
+        attempts.append(rid)
+        if len(attempts) == 1:
+            bank.charge(args, rid)
+            raise TimeoutError("the answer was lost")     # but the charge went through
+        if len(attempts) == 2:
+            raise agent_module.NotApplied("declined")      # clean: nothing happened
+        return bank.charge(args, rid)
+
+    with Agent(store, "t", disk=disk, tools=bank.tools(run=flaky)) as a:
+        with pytest.raises(agent_module.ToolFailed, match="answer was lost"):
+            order_step(a, image, 10)
+        assert [e.status for e in AgentDB(store).journal("t")] == ["intent"]
+        order_step(a, image, 10)                # settled by check: no second charge
+        assert len(attempts) == 1 and list(bank.charges.values()) == [10]
+        with pytest.raises(agent_module.ToolFailed, match="declined"):
+            order_step(a, image, 20)
+        assert [e.status for e in AgentDB(store).journal("t")] == ["done"]
+        order_step(a, image, 20)
+    assert len(attempts) == 3 and sorted(bank.charges.values()) == [10, 20]
