@@ -176,8 +176,12 @@ class Sandbox:
             # The image as given becomes the root snapshot now, while nothing
             # runs: the first checkpoint then pauses the VM only for what the
             # first step changed, not for the whole disk.
-            store.commit(sandbox.disk, message=f"VM {name} created from {Path(image).name}",
-                         meta={"vm": name, "vm.kernel": kernel_key})
+            try:
+                store.commit(sandbox.disk, message=f"VM {name} created from {Path(image).name}",
+                             meta={"vm": name, "vm.kernel": kernel_key})
+            except BaseException:
+                shutil.rmtree(directory, ignore_errors=True)
+                raise
         return sandbox
 
     @staticmethod
