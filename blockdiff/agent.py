@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from blockdiff.catalog import immediate_transaction
 from blockdiff.disks import Disk, ImageDisk
 from blockdiff.errors import BlockdiffError, UsageError
 from blockdiff.sealing import Codec
@@ -321,15 +322,8 @@ class AgentDB:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    @contextlib.contextmanager
     def transaction(self):
-        self.db.execute("BEGIN IMMEDIATE")
-        try:
-            yield self.db
-        except BaseException:
-            self.db.execute("ROLLBACK")
-            raise
-        self.db.execute("COMMIT")
+        return immediate_transaction(self.db)
 
     # threads
     def thread(self, thread_id: str) -> ThreadInfo:
@@ -668,25 +662,32 @@ class Agent:
                 and head.disk_snapshot == disk_snapshot):
             self._renew()
             return CheckpointResult(head.id, True, time.monotonic() - start, disk_seconds)
-        checkpoint_id = _new_id()
-        now = time.time()
         with self.db.transaction() as db:
-            self._check_owner(db)
-            db.execute(
-                "INSERT INTO checkpoints (id, thread, parent, step, version, created, expires, "
-                "reason, state, messages, content_hash, disk_snapshot, meta) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (checkpoint_id, thread, parent, (head.step + 1) if head else 0, FORMAT_VERSION,
-                 now, now + self.ttl if self.ttl else None, reason,
-                 self.codec.encode(self.state, self._context(checkpoint_id, "state")),
-                 self.codec.encode(self.messages, self._context(checkpoint_id, "messages")),
-                 content, disk_snapshot, json.dumps(meta)))
-            db.execute("UPDATE threads SET head = ?, lease_until = ? WHERE id = ?",
-                       (checkpoint_id, now + self.lease, thread))
+            checkpoint_id = self._insert_head(db, thread, parent, (head.step + 1) if head else 0,
+                                              reason, content, disk_snapshot, meta)
         if thread == self.thread_id:
             self.head = checkpoint_id
         self.trace("checkpoint.recorded")
         return CheckpointResult(checkpoint_id, False, time.monotonic() - start, disk_seconds)
+
+    def _insert_head(self, db, thread: str, parent: str | None, step: int, reason: str,
+                     content_hash: str, disk_snapshot: str | None, meta: dict) -> str:
+        """Record the in-memory state and messages as ``thread``'s new head,
+        inside the caller's transaction; returns its id."""
+        self._check_owner(db)
+        checkpoint_id, now = _new_id(), time.time()
+        db.execute(
+            "INSERT INTO checkpoints (id, thread, parent, step, version, created, expires, "
+            "reason, state, messages, content_hash, disk_snapshot, meta) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (checkpoint_id, thread, parent, step, FORMAT_VERSION, now,
+             now + self.ttl if self.ttl else None, reason,
+             self.codec.encode(self.state, self._context(checkpoint_id, "state")),
+             self.codec.encode(self.messages, self._context(checkpoint_id, "messages")),
+             content_hash, disk_snapshot, json.dumps(meta)))
+        db.execute("UPDATE threads SET head = ?, lease_until = ? WHERE id = ?",
+                   (checkpoint_id, now + self.lease, thread))
+        return checkpoint_id
 
     def _check_owner(self, db) -> None:
         owner = db.execute("SELECT owner FROM threads WHERE id = ?",
@@ -938,25 +939,12 @@ class Agent:
         # (the disk follows the head on open) and finishes the compensations.
         rids = self._effects_after(checkpoint_id)
         self._load(checkpoint_id)
-        rewound = _new_id()
-        now = time.time()
         with self.db.transaction() as db:
-            self._check_owner(db)
             for rid in rids:
                 db.execute("UPDATE journal SET undo = 'pending' WHERE request_id = ?", (rid,))
-            db.execute(
-                "INSERT INTO checkpoints (id, thread, parent, step, version, created, expires, "
-                "reason, state, messages, content_hash, disk_snapshot, meta) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (rewound, self.thread_id, checkpoint_id, target.step + 1, FORMAT_VERSION, now,
-                 now + self.ttl if self.ttl else None, f"rewind to {checkpoint_id}",
-                 self.codec.encode(self.state, self._context(rewound, "state")),
-                 self.codec.encode(self.messages, self._context(rewound, "messages")),
-                 target.content_hash, target.disk_snapshot,
-                 json.dumps({"rewound_from": self.head})))
-            db.execute("UPDATE threads SET head = ?, lease_until = ? WHERE id = ?",
-                       (rewound, now + self.lease, self.thread_id))
-        self.head = rewound
+            self.head = self._insert_head(db, self.thread_id, checkpoint_id, target.step + 1,
+                                          f"rewind to {checkpoint_id}", target.content_hash,
+                                          target.disk_snapshot, {"rewound_from": self.head})
         self.trace("rewind.marked")
         if self.disk is not None and target.disk_snapshot:
             self.disk.restore(target.disk_snapshot)

@@ -62,6 +62,19 @@ class ExecResult:
         return self.status == 0 and not self.timed_out
 
 
+def connect_unix(socket_path: str, dir_fd: int | None = None) -> socket.socket:
+    """A connected unix stream socket; ``socket_path`` relative to ``dir_fd``
+    when given, through /proc so that the 108-byte address limit never bites."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(f"/proc/self/fd/{dir_fd}/{socket_path}" if dir_fd is not None
+                     else socket_path)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class AgentLink:
     """One connection to a guest agent's virtio-serial socket.
 
@@ -72,12 +85,9 @@ class AgentLink:
     _ids = itertools.count(random.randrange(1 << 31))
 
     def __init__(self, socket_path: str, *, dir_fd: int | None = None):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        address = f"/proc/self/fd/{dir_fd}/{socket_path}" if dir_fd is not None else socket_path
         try:
-            self.sock.connect(address)
+            self.sock = connect_unix(socket_path, dir_fd)
         except OSError as e:
-            self.sock.close()
             raise GuestError(f"cannot reach the guest agent ({e.strerror}); "
                              f"is the VM running? start it with: blockdiff vm start") from None
         self._pending = b""

@@ -42,6 +42,19 @@ MIGRATIONS = [
 ]
 
 
+@contextlib.contextmanager
+def immediate_transaction(db: sqlite3.Connection):
+    """BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on error: writers queue on
+    SQLite's lock at the start instead of failing half-way."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield db
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
+
+
 @dataclass
 class Snapshot:
     """One node of the tree, as the catalog records it."""
@@ -90,14 +103,8 @@ class Catalog:
     @contextlib.contextmanager
     def transaction(self):
         """One atomic change: BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on error."""
-        with self._lock:
-            self.db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self.db
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
-            self.db.execute("COMMIT")
+        with self._lock, immediate_transaction(self.db) as db:
+            yield db
 
     def _migrate(self) -> None:
         with self.transaction() as db:

@@ -12,13 +12,13 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from blockdiff.agentlink import connect_unix
 from blockdiff.errors import BlockdiffError
 
 QEMU = "qemu-system-x86_64"
@@ -91,15 +91,12 @@ class QMP:
     """A synchronous QMP connection: one command at a time, events skipped."""
 
     def __init__(self, socket_path: str, *, dir_fd: int | None = None, timeout: float = 10.0):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout)
-        address = f"/proc/self/fd/{dir_fd}/{socket_path}" if dir_fd is not None else socket_path
         try:
-            self.sock.connect(address)
+            self.sock = connect_unix(socket_path, dir_fd)
         except OSError as e:
-            self.sock.close()
             raise VMError(f"cannot reach QEMU's control socket ({e.strerror}); is the VM "
                           f"running?") from None
+        self.sock.settimeout(timeout)
         self._buf = b""
         self._read()  # greeting
         self.command("qmp_capabilities")
