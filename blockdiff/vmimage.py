@@ -15,7 +15,8 @@ Output, in one directory:
 
 The kernel and initramfs are the sandbox's "firmware": commands run chrooted
 into whatever disk the VM has, so any raw image of a filesystem the kernel
-knows (ext4, xfs, btrfs) can be a sandbox disk with nothing installed on it.
+has built in (ext4, for the cloud kernel) can be a sandbox disk with nothing
+installed on it.
 """
 
 from __future__ import annotations
