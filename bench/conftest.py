@@ -37,3 +37,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "bench" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def scratch_xfs_possible():
+    """Skip, with the reason, where no scratch XFS can be made here."""
+    from blockdiff import scratch
+
+    reason = scratch.filesystem_unavailable_reason("xfs")
+    if reason:
+        pytest.skip(f"no scratch XFS filesystem: {reason}")

@@ -11,14 +11,9 @@ import json
 import agent_bench
 import pytest
 
-from blockdiff import scratch
-
 
 @pytest.mark.bench
-def test_tiny_run(tmp_path, capsys):
-    reason = scratch.filesystem_unavailable_reason("xfs")
-    if reason:
-        pytest.skip(f"no scratch XFS filesystem: {reason}")
+def test_tiny_run(tmp_path, capsys, scratch_xfs_possible):
     out = tmp_path / "out.json"
     assert agent_bench.main(["--steps", "5", "--image-mib", "16", "--no-vm", "--json", str(out),
                              "--workdir", str(tmp_path / "work")]) == 0

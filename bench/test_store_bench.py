@@ -16,8 +16,6 @@ import pytest
 import store_bench
 import workloads
 
-from blockdiff import scratch
-
 BLOCK = store_bench.BLOCK
 MiB = store_bench.MiB
 
@@ -102,10 +100,7 @@ def test_stats_leaves_out_p99_of_few_samples():
 
 
 @pytest.mark.bench
-def test_end_to_end_tiny_run(tmp_path, capsys):
-    reason = scratch.filesystem_unavailable_reason("xfs")
-    if reason:
-        pytest.skip(f"no scratch XFS filesystem: {reason}")
+def test_end_to_end_tiny_run(tmp_path, capsys, scratch_xfs_possible):
     out = tmp_path / "out.json"
     argv = ["--steps", "4", "--image-mib", "32", "--frag-mib", "16", "--json", str(out),
             "--workdir", str(tmp_path / "scratch")]

@@ -13,14 +13,9 @@ import shutil
 import pytest
 import vm_bench
 
-from blockdiff import scratch
-
 
 @pytest.mark.bench
-def test_end_to_end_tiny_run(tmp_path, capsys):
-    reason = scratch.filesystem_unavailable_reason("xfs")
-    if reason:
-        pytest.skip(f"no scratch XFS filesystem: {reason}")
+def test_end_to_end_tiny_run(tmp_path, capsys, scratch_xfs_possible):
     if shutil.which("qemu-system-x86_64") is None:
         pytest.skip("QEMU is not installed (bash .ci/setup installs it)")
     out = tmp_path / "out.json"

@@ -523,8 +523,9 @@ class Agent:
         if not thread_id or "/" in thread_id:
             raise UsageError(f"bad thread id {thread_id!r}")
         self.store = store if isinstance(store, Store) else open_store(store)
-        self.db = AgentDB(self.store)
         self.codec = Codec(key, secrets=secrets, redactor=redactor)
+        self.db = AgentDB(self.store)
+        self._closed = False
         self.thread_id = thread_id
         self.disk = disk
         self.tools = {t.name: t for t in tools}
@@ -562,8 +563,7 @@ class Agent:
                                       f"agent's tools)" if report.pending else "")
                                    + "; rewind it to a checkpoint or fork it to go on")
         except BaseException:
-            if self.db is not None and not getattr(self, "_closed", False):
-                self.close()
+            self.close()
             raise
 
     # ------------------------------------------------------------- lease
@@ -606,7 +606,7 @@ class Agent:
                            (status, self.thread_id, self.owner))
 
     def close(self, status: str | None = None) -> None:
-        if getattr(self, "_closed", False):
+        if self._closed:
             return
         self._closed = True
         self._release(status)
@@ -711,11 +711,6 @@ class Agent:
         if self._step is not None:
             raise AgentError("steps do not nest")
         return Step(self, name, meta or {})
-
-    def call(self, tool: str, args: dict | None = None):
-        """A tool call as a step of its own."""
-        with self.step(f"call {tool}") as s:
-            return s.call(tool, args)
 
     def approval(self, action, *, ttl: float | None = 3600.0) -> Approval:
         """Ask a human to approve ``action`` (anything JSON-serialisable).

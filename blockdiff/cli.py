@@ -294,6 +294,11 @@ def restore(store_path, snapshot_id, image):
     click.echo(f"{image}: {how} from {result.snapshot} ({result.ranges} ranges)")
 
 
+def _echo_records(records) -> None:
+    """A list of the library's records (dataclasses) as a JSON array."""
+    click.echo(json.dumps([r.__dict__ for r in records], indent=2))
+
+
 def _snapshot_dict(snap) -> dict:
     return {"id": snap.id, "parent": snap.parent, "created": snap.created,
             "message": snap.message, "meta": snap.meta, "size": snap.size,
@@ -740,8 +745,7 @@ def vm_ls(store_path, as_json):
 
     statuses = [box.status() for box in Sandbox.list(_open_store(store_path))]
     if as_json:
-        click.echo(json.dumps([s.__dict__ for s in statuses], indent=2))
-        return
+        return _echo_records(statuses)
     for s in statuses:
         state = f"running (pid {s.pid}, {s.accel})" if s.running else "stopped"
         click.echo(f"{s.name:20} {state:28} {s.snapshot or '-'}")
@@ -789,8 +793,7 @@ def agent_threads(store_path, as_json):
     """
     threads = _agent_db(store_path).threads()
     if as_json:
-        click.echo(json.dumps([t.__dict__ for t in threads], indent=2))
-        return
+        return _echo_records(threads)
     for t in threads:
         extra = f"  forked from {t.forked_from}" if t.forked_from else ""
         who = f"  by {t.owner}" if t.owner else ""
@@ -811,8 +814,7 @@ def agent_history(thread, store_path, as_json):
     """
     history = _agent_db(store_path).history(thread)
     if as_json:
-        click.echo(json.dumps([c.__dict__ for c in history], indent=2))
-        return
+        return _echo_records(history)
     for c in history:
         disk = f"disk {c.disk_snapshot}" if c.disk_snapshot else "no disk"
         click.echo(f"{c.id}  step {c.step:<4} {_when(c.created)}  {c.reason:24} {disk}"
@@ -879,8 +881,7 @@ def agent_journal(thread, store_path, as_json):
     """
     entries = _agent_db(store_path).journal(thread)
     if as_json:
-        click.echo(json.dumps([e.__dict__ for e in entries], indent=2))
-        return
+        return _echo_records(entries)
     for e in entries:
         click.echo(f"{e.request_id}  {e.tool:16} {e.status:14} {_when(e.started)}")
 
@@ -900,8 +901,7 @@ def agent_pending(store_path, as_json):
 
     approvals = _agent_db(store_path).approvals(pending_only=True, codec=Codec())
     if as_json:
-        click.echo(json.dumps([a.__dict__ for a in approvals], indent=2))
-        return
+        return _echo_records(approvals)
     if not approvals:
         click.echo("no pending approvals")
     for a in approvals:

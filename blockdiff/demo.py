@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from blockdiff import native, scratch
+from blockdiff.identity import sha256_file
 
 MiB = 1 << 20
 BLOCK = 4096
@@ -36,14 +37,6 @@ class Event:
     what: str
     seconds: float = 0.0
     detail: str = ""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 * MiB):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _random_data(rng: random.Random, n: int) -> bytes:
@@ -136,14 +129,14 @@ def run(workdir: str | os.PathLike | None = None, *, size: int = 512 * MiB, step
         _make_disk(disk, size, rng)
         snap, seconds = timed(lambda: store.commit(disk, message="boot"))
         emit(f"step 0: commit of the freshly installed {size // MiB} MiB disk", seconds)
-        snaps, digests = [snap], {snap.id: _sha256(disk)}
+        snaps, digests = [snap], {snap.id: sha256_file(disk)}
 
         for step in range(1, steps + 1):
             with open(disk, "r+b") as f:
                 what = STEPS[(step - 1) % len(STEPS)](f.fileno(), os.fstat(f.fileno()).st_size, rng)
                 os.fsync(f.fileno())
             snap, seconds = timed(lambda: store.commit(disk, message=what))
-            digests[snap.id] = _sha256(disk)
+            digests[snap.id] = sha256_file(disk)
             snaps.append(snap)
             emit(f"step {step}: {what}", seconds,
                  f"commit {snap.id}: {snap.ranges} ranges, {snap.changed_bytes // 1024} KiB")
@@ -151,7 +144,7 @@ def run(workdir: str | os.PathLike | None = None, *, size: int = 512 * MiB, step
         # Time travel: put the live disk back to an earlier step, in place.
         back = snaps[max(1, steps // 2)]
         result, seconds = timed(lambda: store.restore(back.id, disk))
-        assert _sha256(disk) == digests[back.id], "restore differs"
+        assert sha256_file(disk) == digests[back.id], "restore differs"
         emit(f"restore {back.id} ({back.message}) into the live disk", seconds,
              f"{result.ranges} ranges rewritten; verified byte for byte")
 
@@ -163,12 +156,12 @@ def run(workdir: str | os.PathLike | None = None, *, size: int = 512 * MiB, step
             with open(live, "r+b") as f:
                 what = _edit_files(f.fileno(), os.fstat(f.fileno()).st_size, rng)
                 os.fsync(f.fileno())
-            expected = _sha256(live)
+            expected = sha256_file(live)
             tip = store.commit(live, message=f"branch {branch}: {what}")
             digests[tip.id] = expected
             check = root / f"check-{branch}.img"
             store.restore(tip.id, check)
-            assert _sha256(check) == expected, f"fork {branch} differs"
+            assert sha256_file(check) == expected, f"fork {branch} differs"
             emit(f"fork {branch} from {base.id}", seconds,
                  f"then {what}; committed as {tip.id} and verified")
         emit("the snapshot tree", detail=render_tree(store.log()).replace("\n", "\n" + " " * 13))
@@ -189,7 +182,7 @@ def run(workdir: str | os.PathLike | None = None, *, size: int = 512 * MiB, step
         other.import_(other_fs / "last.bdx")
         other.restore(last.id, other_fs / "disk.img")
         seconds = time.perf_counter() - start
-        assert _sha256(other_fs / "disk.img") == digests[last.id], "imported snapshot differs"
+        assert sha256_file(other_fs / "disk.img") == digests[last.id], "imported snapshot differs"
         emit(f"export step 1 whole and steps 2-{steps} as one increment, import on btrfs",
              seconds, f"{os.path.getsize(root / 'last.bdx') // 1024} KiB increment; "
              f"restored there and verified")
@@ -267,5 +260,6 @@ def _sandbox_steps(store, root: Path, image_dir, emit, timed) -> None:
         probe = root / "vm-check.img"
         store.restore(ids[2], box.disk)
         store.restore(ids[2], probe)
-        assert _sha256(probe) == _sha256(box.disk), "the VM's disk differs from its snapshot"
-        emit("VM stopped; its disk matches its snapshot byte for byte")
+        assert sha256_file(probe) == sha256_file(box.disk), "the VM's disk differs from its fork"
+        emit("VM stopped; its disk, restored in place to the last step, matches a fresh fork "
+             "of that step byte for byte")

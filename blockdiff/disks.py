@@ -33,8 +33,3 @@ class ImageDisk:
 
     def restore(self, snapshot_id: str) -> None:
         self.store.restore(snapshot_id, self.path)
-
-    @property
-    def snapshot(self) -> str | None:
-        """The snapshot the image was last committed as or restored from."""
-        return self.store.lineage(self.path)[0]

@@ -96,6 +96,26 @@ def _open(path: str, flags: int = os.O_RDONLY):
         os.close(fd)
 
 
+def clone_or_copy(src_fd: int, dst_fd: int, size: int, path: str) -> bool:
+    """Make ``dst_fd`` a whole-file reflink of ``src_fd``, or where reflink
+    cannot be had (another filesystem, none at all) a copy keeping holes.
+    True when it is a reflink."""
+    try:
+        native.clone_file(dst_fd, src_fd, path)
+        return True
+    except OSError as e:
+        if e.errno not in _NO_REFLINK:
+            raise
+    native.copy_sparse(src_fd, dst_fd, size, path)
+    return False
+
+
+def copy_file(src: str | os.PathLike, dst: str | os.PathLike) -> bool:
+    """``src`` to ``dst`` by :func:`clone_or_copy`, replacing ``dst`` atomically."""
+    with _open(src) as src_fd, atomic_output(os.fspath(dst)) as (out_fd, temp):
+        return clone_or_copy(src_fd, out_fd, os.fstat(src_fd).st_size, temp)
+
+
 @contextlib.contextmanager
 def atomic_output(final_path: str, mode: int = 0o644):
     """A temporary file beside ``final_path`` that replaces it only on success.
@@ -332,15 +352,10 @@ def apply_diff(diff: str | os.PathLike, target: str | os.PathLike,
         out_fd, temp = stack.enter_context(atomic_output(target, mode))
         base_reflinked = False
         if base_fd is not None:
-            try:
-                native.clone_file(out_fd, base_fd, temp)
-                base_reflinked = True
-            except OSError as e:
-                if e.errno not in _NO_REFLINK:
-                    raise
+            base_reflinked = clone_or_copy(base_fd, out_fd, header.base_size, temp)
+            if not base_reflinked:
                 notes.append("copied the base instead of reflinking it (the target is on "
                              "another filesystem or reflink is unavailable)")
-                native.copy_sparse(base_fd, out_fd, header.base_size, temp)
         # Sizing first makes the tail of the base's last block read as zeros when
         # growing, and puts the end of file where a last unaligned range ends,
         # the one place the kernel accepts an unaligned reflink.

@@ -30,6 +30,15 @@ SNAPSHOT_XATTR = "user.blockdiff.snapshot"
 _TAG = struct.Struct("<16sQq")
 
 
+def sha256_file(path: str | os.PathLike) -> str:
+    """The SHA-256 of a whole file, in hex."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def fingerprint(fd: int, size: int, path: str | os.PathLike,
                 samples: int = FINGERPRINT_SAMPLES) -> bytes:
     """16-byte fingerprint of a file's size and ``samples`` evenly spread blocks."""

@@ -34,9 +34,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockdiff import native
 from blockdiff.agentlink import THAW, AgentLink, ExecResult, GuestError, GuestTimeout
+from blockdiff.engine import copy_file
 from blockdiff.errors import UsageError
+from blockdiff.identity import sha256_file
 from blockdiff.qemu import QMP, Launch, VMError, choose_accel
 from blockdiff.store import Store, open_store
 
@@ -80,20 +81,6 @@ def _tail(path: Path, lines: int = 3) -> str:
         return "no console output"
     kept = [line.strip() for line in text.splitlines() if line.strip()][-lines:]
     return " | ".join(kept) if kept else "no console output"
-
-
-def _copy_file(src: Path, dst: Path) -> None:
-    """Reflink ``src`` to ``dst`` where the filesystem allows, else copy it
-    keeping holes; written under a temporary name and renamed."""
-    tmp = dst.with_name(f".{dst.name}.partial")
-    with open(src, "rb") as fin, open(tmp, "wb") as fout:
-        try:
-            native.clone_file(fout.fileno(), fin.fileno(), str(dst))
-        except OSError:
-            native.copy_sparse(fin.fileno(), fout.fileno(), os.fstat(fin.fileno()).st_size,
-                               str(dst))
-        native.fsync(fout.fileno(), str(dst))
-    os.replace(tmp, dst)
 
 
 class Sandbox:
@@ -158,7 +145,7 @@ class Sandbox:
             if snap is not None:
                 store.restore(snap.id, staging / "disk.img")
             else:
-                _copy_file(Path(image), staging / "disk.img")
+                copy_file(Path(image), staging / "disk.img")
             source = {"snapshot": snap.id} if snap else {"image": os.path.abspath(image)}
             config = {"name": name, "kernel": kernel_key, "memory_mb": memory_mb, "cpus": cpus,
                       "created": time.time(), "source": source}
@@ -374,7 +361,8 @@ class Sandbox:
                     return unchanged
             marker = self.directory / "checkpointing"
             marker.touch()
-            with self._dir_fd() as fd, AgentLink("agent.sock", dir_fd=fd) as link:
+            with self._dir_fd() as fd, AgentLink("agent.sock", dir_fd=fd) as link, \
+                    self.qmp() as q:
                 try:
                     link.freeze(auto_thaw=60.0, timeout=self.guest_timeout)
                     meta["vm.flush"] = "fsfreeze"
@@ -386,22 +374,19 @@ class Sandbox:
                         link.send(THAW)
                 frozen = time.monotonic()
                 try:
-                    with self.qmp() as q:
-                        q.command("stop")
-                        paused = time.monotonic()
-                        try:
-                            snap = self.store.commit(self.disk, message=message, meta=meta,
-                                                     ttl=ttl, skip_unchanged=skip_unchanged)
-                        finally:
-                            q.command("cont")
-                            resumed = time.monotonic()
+                    q.command("stop")
+                    paused = time.monotonic()
+                    try:
+                        snap = self.store.commit(self.disk, message=message, meta=meta,
+                                                 ttl=ttl, skip_unchanged=skip_unchanged)
+                    finally:
+                        q.command("cont")
+                        resumed = time.monotonic()
                 finally:
                     if meta["vm.flush"] == "fsfreeze":
-                        with self.qmp() as q:
-                            frozen_writes = _disk_writes(q)  # nothing writes while frozen
+                        frozen_writes = _disk_writes(q)  # nothing writes while frozen
                         link.thaw(timeout=self.guest_timeout)
-                        with self.qmp() as q:
-                            thawed_writes = _disk_writes(q)
+                        thawed_writes = _disk_writes(q)
                         # The thaw writes the superblock once; more means the
                         # guest wrote too, and the next check must not skip.
                         if thawed_writes - frozen_writes <= 1:
@@ -528,15 +513,11 @@ def _kernel_source(store: Store, kernel, image, snap) -> Path:
 def _install_kernel(store: Store, source: Path) -> str:
     """Keep the kernel and initramfs under the store, named by their content,
     so a VM still boots after the build directory is gone."""
-    h = hashlib.sha256()
-    for f in KERNEL_FILES:
-        with open(source / f, "rb") as fin:
-            for chunk in iter(lambda: fin.read(1 << 20), b""):
-                h.update(chunk)
-    key = h.hexdigest()[:16]
+    key = hashlib.sha256("".join(sha256_file(source / f) for f in KERNEL_FILES)
+                         .encode()).hexdigest()[:16]
     target = store.root / "vms" / ".kernels" / key
     if not all((target / f).is_file() for f in KERNEL_FILES):
         target.mkdir(parents=True, exist_ok=True)
         for f in KERNEL_FILES:
-            _copy_file(source / f, target / f)
+            copy_file(source / f, target / f)
     return key

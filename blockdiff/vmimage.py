@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blockdiff.errors import BlockdiffError
+from blockdiff.identity import sha256_file
 
 BUILDER_VERSION = 1
 GUEST_DIR = Path(__file__).with_name("guest")
@@ -108,24 +109,16 @@ def download(pkg: Package, cache: Path) -> Path:
     """The package's .deb in ``cache``, downloaded unless already there and intact."""
     cache.mkdir(parents=True, exist_ok=True)
     for deb in cache.glob(f"{pkg.name}_*.deb"):
-        if _sha256(deb) == pkg.sha256:
+        if sha256_file(deb) == pkg.sha256:
             return deb
         deb.unlink()
     _run(["apt-get", "download", "-q", f"{pkg.name}={pkg.version}"], f"downloading {pkg.name}",
          cwd=cache)
-    debs = [d for d in cache.glob(f"{pkg.name}_*.deb") if _sha256(d) == pkg.sha256]
+    debs = [d for d in cache.glob(f"{pkg.name}_*.deb") if sha256_file(d) == pkg.sha256]
     if not debs:
         raise ImageBuildError(f"downloaded {pkg.name} does not match apt's checksum; "
                               f"run apt-get update and build again")
     return debs[0]
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ------------------------------------------------------------- modules
@@ -306,7 +299,7 @@ def _inputs_key(kernel: Package, busybox: Package, disk_size: int,
         h.update(part.read_bytes())
     h.update(json.dumps([kernel.__dict__, busybox.__dict__, disk_size, GUEST_MODULES]).encode())
     for ko in modules or ():  # a kernel of your own: its modules are inputs too
-        h.update(ko.name.encode() + _sha256(ko).encode())
+        h.update(ko.name.encode() + sha256_file(ko).encode())
     return h.hexdigest()
 
 
@@ -338,7 +331,7 @@ def build_image(directory: str | os.PathLike, *, kernel_package: str = DEFAULT_K
         kernel_image = Path(kernel_image)
         if not kernel_image.is_file():
             raise ImageBuildError(f"no kernel image at {kernel_image}")
-        kernel = Package(f"file:{kernel_image.resolve()}", "", _sha256(kernel_image))
+        kernel = Package(f"file:{kernel_image.resolve()}", "", sha256_file(kernel_image))
         local_modules = module_load_order(Path(modules)) if modules is not None else []
     elif modules is not None:
         raise ImageBuildError("--modules goes with a kernel image of your own (--kernel-image)")
@@ -382,7 +375,7 @@ def build_image(directory: str | os.PathLike, *, kernel_package: str = DEFAULT_K
             "busybox": busybox_pkg.__dict__,
             "modules": [ko.name for ko in guest_modules],
             "disk_size": disk_size,
-            "sha256": {f: _sha256(work / f) for f in FILES},
+            "sha256": {f: sha256_file(work / f) for f in FILES},
         }
         (directory / "manifest.json").unlink(missing_ok=True)
         for f in FILES:
