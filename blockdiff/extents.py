@@ -370,3 +370,74 @@ def pieces_within(table: PieceTable, starts: np.ndarray, ends: np.ndarray):
     pieces = PieceTable(*coalesce(start, seg_end[take] - start, layer, pos), size=table.size)
     first, last = _runs(inside & ~t_in)
     return pieces, (seg_start[first], seg_end[last - 1])
+
+
+def normalize_ranges(offset, length, size: int, block: int = 4096):
+    """Byte ranges (any order, may overlap) as sorted, disjoint ``(start, end)``
+    intervals of whole blocks, clipped to the block holding the last byte of
+    ``size`` (extent maps, too, are made of whole blocks)."""
+    offset = np.asarray(offset, _U64)
+    length = np.asarray(length, _U64)
+    keep = (length > 0) & (offset < _U64(size))
+    b = _U64(block)
+    start = offset[keep] // b * b
+    end = np.minimum(_round_up(offset[keep] + length[keep], b), _round_up(_U64(size), b))
+    return union(start, end)
+
+
+def _merge_sorted(a: tuple, b: tuple) -> tuple:
+    """Two tuples of parallel arrays, each sorted by its first array and not
+    overlapping the other, merged into one sorted tuple in linear time."""
+    at = np.searchsorted(a[0], b[0])
+    return tuple(np.insert(x, at, y) for x, y in zip(a, b))
+
+
+def partition(emap: ExtentMap, starts: np.ndarray, ends: np.ndarray):
+    """Split an extent map by sorted, disjoint intervals.
+
+    Returns ``(inside, outside)``: the parts of the extents inside the
+    intervals and the parts outside, as ``(logical, physical, length, flags)``
+    tuples sorted by offset, with physical addresses moved along. Only the
+    extents that meet an interval are cut; the rest are copied as they are,
+    so a few intervals over a map of a million extents cost a copy, not a sort.
+    """
+    e_start = emap.logical
+    e_end = e_start + emap.length
+    if len(starts) and len(e_start):
+        k = np.searchsorted(ends, e_start, side="right")
+        meets = k < len(starts)
+        meets[meets] = starts[k[meets]] < e_end[meets]
+    else:
+        meets = np.zeros(len(e_start), bool)
+    cut = np.flatnonzero(meets)
+    whole = ~meets
+    untouched = (emap.logical[whole], emap.physical[whole], emap.length[whole],
+                 emap.flags[whole])
+    c_start, c_end = e_start[cut], e_end[cut]
+    points = _boundaries((c_start, c_end), (starts, ends))
+    seg_start, seg_end = points[:-1], points[1:]
+    ci, c_in = _locate(c_start, c_end, seg_start)
+    _, r_in = _locate(starts, ends, seg_start)
+
+    def take(mask):
+        i = cut[ci[mask]]
+        logical = seg_start[mask]
+        return (logical, emap.physical[i] + (logical - emap.logical[i]),
+                seg_end[mask] - logical, emap.flags[i])
+
+    inside = take(c_in & r_in)
+    outside = _merge_sorted(untouched, take(c_in & ~r_in))
+    return inside, outside
+
+
+def remap(base: ExtentMap, starts: np.ndarray, ends: np.ndarray, fresh: tuple):
+    """An extent map that is ``base`` outside the intervals and ``fresh`` (the
+    file's extents mapped inside them, clipped to them) inside.
+
+    Returns ``(current, previous)``: the spliced whole map, and ``base`` and
+    ``fresh`` restricted to the intervals as two maps, whose differences are
+    exactly the differences of the whole maps.
+    """
+    inside, outside = partition(base, starts, ends)
+    current = ExtentMap(*_merge_sorted(outside, fresh), size=base.size)
+    return current, (ExtentMap(*fresh, size=base.size), ExtentMap(*inside, size=base.size))

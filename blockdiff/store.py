@@ -22,6 +22,7 @@ import io
 import json
 import os
 import struct
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +40,11 @@ from blockdiff.extents import (
     PieceTable,
     changed_ranges,
     coalesce,
+    normalize_ranges,
     overlay,
     pieces_within,
+    remap,
+    union,
 )
 from blockdiff.scratch import process_alive
 
@@ -48,6 +52,7 @@ BLOCK = 4096
 LINEAGE_XATTR = "user.blockdiff.lineage"
 EXPORT_MAGIC = b"BDEXPRT1"
 STORE_ENV = "BLOCKDIFF_STORE"
+MAP_CACHE = 4   # decoded maps kept per Store: the last commit's is the next one's parent
 
 
 class StoreError(BlockdiffError):
@@ -86,6 +91,11 @@ class RestoreResult:
     ranges: int          # ranges of the image rewritten
     bytes: int
     forked: bool         # a new image rather than one restored in place
+    tracked: bool = False  # the differences came from written ranges, not an extent map
+
+
+# ``(offsets, lengths)`` of the byte ranges written to an image.
+Written = tuple[np.ndarray, np.ndarray]
 
 
 def _layer_number(snapshot_id: str) -> int:
@@ -183,6 +193,10 @@ class Store:
         self.id = self.catalog.setting("store_id")
         # Without reflink the store copies data and compares contents.
         self.copy_mode = self.catalog.setting("mode") == "copy"
+        # Maps are named by their digest and never change, so a decoded map
+        # can be reused for as long as the store is open.
+        self._maps: dict[str, SnapshotMap] = {}
+        self._maps_lock = threading.Lock()
 
     @classmethod
     def init(cls, root: str | os.PathLike, *, allow_copy: bool = False) -> "Store":
@@ -247,13 +261,27 @@ class Store:
         (compaction) never replaces the old one under the same name."""
         return self.objects / f"{snap.id}.{snap.map_sha256[:16]}.map"
 
-    def load_map(self, snap: Snapshot) -> SnapshotMap:
-        """A snapshot's map, checked against the digest the catalog recorded."""
+    def load_map(self, snap: Snapshot, *, cached: bool = True) -> SnapshotMap:
+        """A snapshot's map, checked against the digest the catalog recorded
+        (when it is read: ``cached=False`` reads it even if it was read before)."""
+        if cached:
+            with self._maps_lock:
+                known = self._maps.get(snap.map_sha256)
+            if known is not None:
+                return known
         raw = self.map_path(snap).read_bytes()
         if hashlib.sha256(raw).hexdigest() != snap.map_sha256:
             raise StoreError(f"the map of snapshot {snap.id} is damaged; "
                              f"run: blockdiff verify --store {self.root}")
-        return _decode_map(raw)
+        smap = _decode_map(raw)
+        self._remember_map(snap.map_sha256, smap)
+        return smap
+
+    def _remember_map(self, digest: str, smap: SnapshotMap) -> None:
+        with self._maps_lock:
+            self._maps[digest] = smap
+            while len(self._maps) > MAP_CACHE:
+                del self._maps[next(iter(self._maps))]
 
     def log(self, snapshot_id: str | None = None) -> list[Snapshot]:
         """The ancestry of a snapshot (or every snapshot), newest first."""
@@ -299,11 +327,22 @@ class Store:
 
     def commit(self, image: str | os.PathLike, *, parent: str | None = None, message: str = "",
                meta: dict | None = None, ttl: float | None = None,
-               skip_unchanged: bool = False, _imported: Snapshot | None = None) -> Snapshot:
+               skip_unchanged: bool = False, written: Written | None = None,
+               _imported: Snapshot | None = None) -> Snapshot:
         """Snapshot an image; returns the new snapshot (or its parent, when
         ``skip_unchanged`` and nothing changed). The image must not be written
         meanwhile (pause the VM). ``_imported`` keeps another store's id,
-        time, message and metadata (used by ``import_``)."""
+        time, message and metadata (used by ``import_``).
+
+        ``written`` is ``(offsets, lengths)`` of every byte range written to
+        the image since it was last committed or restored: what a dirty-block
+        tracker such as QEMU's dirty bitmap reports. Only those ranges are
+        then mapped, instead of the whole image, so the cost follows the step
+        and not the image's fragmentation. The store trusts the ranges: they
+        must cover every write. It maps the whole image anyway when the
+        ranges cannot describe the change: the image's lineage is not a
+        clean snapshot of this store, another parent is given, or its size
+        changed."""
         image = os.fspath(image)
         with self._locked(image, os.O_RDONLY) as fd:
             known, state = self.lineage(image)
@@ -316,20 +355,28 @@ class Store:
             parent_map = None if parent_snap is None else self.load_map(parent_snap)
 
             native.fsync(fd, image)
+            size = os.fstat(fd).st_size
             if self.copy_mode:
-                size = os.fstat(fd).st_size
                 emap = ExtentMap.from_arrays([], [], [], [], size)
                 with self._materialized(parent_snap) as parent_copy:
                     changes = _compare_with_file(fd, image, parent_copy)
             else:
-                emap = ExtentMap.of_file(fd, image, sync=False)  # fsynced above
-                emap.check_supported(image)
                 if native.fs_info(fd, image)[2] != os.stat(self.objects).st_dev:
                     raise Unsupported(f"{image} is not on the store's filesystem; keep images "
                                       f"beside the store ({self.root}) so snapshots are "
                                       f"reflinks")
-                changes = changed_ranges(
-                    emap, None if parent_map is None else parent_map.extents, BLOCK)
+                if (written is not None and parent_snap is not None and parent == known
+                        and state == "clean" and size == parent_snap.size):
+                    starts, ends = normalize_ranges(*written, size, BLOCK)
+                    fresh = native.fiemap_ranges(fd, starts, ends, image)  # fsynced above
+                    emap, (now, before) = remap(parent_map.extents, starts, ends, fresh)
+                    now.check_supported(image)
+                    changes = changed_ranges(now, before, BLOCK)
+                else:
+                    emap = ExtentMap.of_file(fd, image, sync=False)  # fsynced above
+                    emap.check_supported(image)
+                    changes = changed_ranges(
+                        emap, None if parent_map is None else parent_map.extents, BLOCK)
             if (skip_unchanged and parent_snap is not None and len(changes) == 0
                     and emap.size == parent_snap.size):
                 return parent_snap
@@ -350,9 +397,9 @@ class Store:
                     os.close(out)
                 pieces = overlay(None if parent_map is None else parent_map.pieces, changes,
                                  data_pos, _layer_number(snap_id), emap.size)
-                raw = _encode_map(SnapshotMap(pieces, emap, data_pos[is_data],
-                                              changes.length[is_data], crcs,
-                                              _layer_number(snap_id)))
+                smap = SnapshotMap(pieces, emap, data_pos[is_data], changes.length[is_data],
+                                   crcs, _layer_number(snap_id))
+                raw = _encode_map(smap)
                 _write_readonly(map_tmp, raw)
                 digest = hashlib.sha256(raw).hexdigest()
                 os.rename(layer_tmp, self.objects / f"{snap_id}.layer")
@@ -373,6 +420,7 @@ class Store:
                         p.unlink()
                 raise
             self._set_lineage(fd, snap_id, "clean")
+            self._remember_map(digest, smap)
             return snap
 
     # ------------------------------------------------------------ restore
@@ -395,12 +443,18 @@ class Store:
                                        pieces.length[sel], out_path, reflink=not copy,
                                        checksums=copy)
 
-    def restore(self, snapshot_id: str, image: str | os.PathLike) -> RestoreResult:
+    def restore(self, snapshot_id: str, image: str | os.PathLike, *,
+                written: Written | None = None) -> RestoreResult:
         """Make ``image`` byte-identical to a snapshot.
 
         An existing image is patched in place: only the ranges where it differs
         from the snapshot are rewritten. A new path becomes a fork, built from
         the snapshot's layers.
+
+        ``written`` is as for :meth:`commit`: every range written to the image
+        since it was last committed or restored. With it, what differs is
+        those ranges plus what differs between the two snapshots' maps, and
+        the image is not mapped at all.
         """
         image = os.fspath(image)
         snap = self.get(snapshot_id)
@@ -418,25 +472,34 @@ class Store:
             return RestoreResult(snap.id, image, len(smap.pieces),
                                  int(smap.pieces.length.sum()), forked=True)
         with self._locked(image, os.O_RDWR) as fd:
+            known, state = self.lineage(image)
+            size = os.fstat(fd).st_size
+            from_snap = self.get(known) if known is not None else None
+            tracked = (written is not None and from_snap is not None and state == "clean"
+                       and from_snap.size == size == snap.size)
             # Marked first: a crash half-way leaves an image commit refuses.
             self._set_lineage(fd, snap.id, "restoring")
-            native.fsync(fd, image)
-            current = ExtentMap.of_file(fd, image, sync=False)  # fsynced above
-            differ = changed_ranges(smap.extents, current, BLOCK)
-            native.truncate(fd, snap.size, image)
-            data = differ.kind == DATA
-            starts = differ.offset[data]
-            pieces, (hole_start, hole_end) = pieces_within(smap.pieces, starts,
-                                                           starts + differ.length[data])
+            if tracked:
+                # The image is its lineage snapshot except where it was written.
+                between = changed_ranges(smap.extents, self.load_map(from_snap).extents, BLOCK)
+                starts, ends = normalize_ranges(*written, size, BLOCK)
+                starts, ends = union(np.concatenate((between.offset, starts)),
+                                     np.concatenate((between.offset + between.length, ends)))
+            else:
+                native.fsync(fd, image)
+                current = ExtentMap.of_file(fd, image, sync=False)  # fsynced above
+                differ = changed_ranges(smap.extents, current, BLOCK)
+                native.truncate(fd, snap.size, image)
+                starts, ends = differ.offset, differ.offset + differ.length
+            # Within the ranges that differ, the snapshot's pieces are cloned
+            # in and the rest, its zeros, punched.
+            pieces, (hole_start, hole_end) = pieces_within(smap.pieces, starts, ends)
             self._fill(fd, image, pieces)
-            zero = differ.kind == ZERO
-            native.zero_ranges(fd, np.concatenate((differ.offset[zero], hole_start)),
-                               np.concatenate((differ.length[zero], hole_end - hole_start)),
-                               image)
+            native.zero_ranges(fd, hole_start, hole_end - hole_start, image)
             native.fsync(fd, image)
             self._set_lineage(fd, snap.id, "clean")
-        return RestoreResult(snap.id, image, len(differ),
-                             int(differ.length.sum()), forked=False)
+        return RestoreResult(snap.id, image, len(starts), int((ends - starts).sum()),
+                             forked=False, tracked=tracked)
 
     @contextlib.contextmanager
     def _materialized(self, snap: Snapshot | None):
@@ -639,7 +702,7 @@ class Store:
             found: list[str] = []
             path = self.map_path(snap)
             try:
-                smap = self.load_map(snap)
+                smap = self.load_map(snap, cached=False)
             except (OSError, StoreError, ValueError) as e:
                 problems[snap.id] = [f"map: {getattr(e, 'strerror', None) or e}"]
                 continue
