@@ -16,6 +16,12 @@ fragmented image (1 GiB, every other block rewritten: 100,000+ extents; 256
 MiB with --quick) times commits and in-place restores after 100-block steps
 next to whole-image reflink clones of it.
 
+Every other commit and in-place restore is *tracked*: it is given the byte
+ranges written since the image was last committed or restored (what QEMU's
+dirty bitmap reports for a VM's disk), so the store maps only those instead of
+the whole image. Tracked and untracked samples alternate on the same image, so
+both see the same fragmentation.
+
 Needs root, xfsprogs, qemu-utils and the blockdiff package. See
 bench/README.md for what each row means.
 """
@@ -58,9 +64,10 @@ SEQUENTIAL = MiB             # plus one sequential write of this size
 DIGESTS = 10                 # steps whose image is hashed at commit time
 RESTORE_SAMPLES = 20         # restores of random earlier steps, in place and as forks
 VERIFIED_SAMPLES = 4         # of which at least this many are checked against a digest
-DEPTH_REPEAT = 5             # restores at depth N and at depth 1
+DEPTH_REPEAT = 10            # restores at depth N and at depth 1 (half of them tracked)
 COPIES = 3                   # full copies and reflink clones timed
 FRAG_REPEAT = 5              # 100-block steps on the fragmented image, per timed row
+NOTHING = (np.zeros(0, np.uint64), np.zeros(0, np.uint64))   # written ranges: none
 FRAG_MIN_EXTENTS = 100_000   # the fragmented image of the full run has at least this many
 FRAG_TAG = 0x66726167_00000000   # "frag": blocks of the fragmenting step
 FRAG_STEP_TAG = 0x66737470_00000000  # "fstp": blocks of the 100-block steps on it
@@ -83,6 +90,12 @@ class Step:
     def pattern(self) -> int:
         """The byte qemu-io writes for this step (never zero)."""
         return 1 + self.index % 255
+
+    def written(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(offsets, lengths)`` of its writes, as a dirty-block tracker reports them."""
+        offsets = np.append(self.blocks * np.uint64(BLOCK), np.uint64(self.seq_offset))
+        lengths = np.append(np.full(len(self.blocks), BLOCK, np.uint64), np.uint64(SEQUENTIAL))
+        return offsets, lengths
 
     def qemu_io_commands(self) -> list[str]:
         args = []
@@ -145,6 +158,20 @@ def write_blocks(path: str, blocks: np.ndarray, pool: np.ndarray, tag: int,
 def fragmenting_blocks(nblocks: int, rng: np.random.Generator) -> np.ndarray:
     """Every other block (the even ones), in random order."""
     return rng.permutation(np.arange(0, nblocks, 2, dtype=np.uint64))
+
+
+def block_ranges(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Written ranges of whole 4 KiB blocks."""
+    blocks = np.asarray(blocks, np.uint64)
+    return blocks * np.uint64(BLOCK), np.full(len(blocks), BLOCK, np.uint64)
+
+
+def tracked_key(key: str, tracked: bool) -> str:
+    return f"{key}_tracked" if tracked else key
+
+
+def tracked_label(label: str, tracked: bool) -> str:
+    return f"{label}, tracked (written ranges given)" if tracked else label
 
 
 def choose_digest_steps(steps: int, rng: np.random.Generator) -> list[int]:
@@ -267,24 +294,34 @@ def run_store(b: Bench, image: str, size: int, nsteps: int, seed: int,
             t0 = time.perf_counter()
             write_step(image, step, pool)
             step_write_s.append(time.perf_counter() - t0)
-            snap = b.time("commit", "store.commit after a step",
-                          lambda i=i: store.commit(image, message=f"step {i}"))
-            b.rows["commit"]["detail"].append({"ranges": snap.ranges,
-                                               "changed_bytes": snap.changed_bytes})
+            tracked = i % 2 == 0
+            key = tracked_key("commit", tracked)
+            snap = b.time(key, tracked_label("store.commit after a step", tracked),
+                          lambda i=i, t=tracked, st=step: store.commit(
+                              image, message=f"step {i}", written=st.written() if t else None))
+            b.rows[key]["detail"].append({"ranges": snap.ranges,
+                                          "changed_bytes": snap.changed_bytes})
             snaps.append(snap)
             if i in digest_steps:
                 digests[i] = sha256_file(image)
             if i % 25 == 0 or i == nsteps:
                 c = b.rows["commit"]["samples"]
-                log(f"  step {i}: commit {c[-1] * 1000:.1f} ms (p50 so far "
-                    f"{np.median(c) * 1000:.1f} ms), {snap.ranges} ranges")
+                ct = b.rows["commit_tracked"]["samples"]
+                log(f"  step {i}: commit p50 so far {np.median(c) * 1000:.1f} ms, tracked "
+                    f"{np.median(ct) * 1000:.1f} ms; {snap.ranges} ranges")
 
         log("restores of earlier steps in place")
-        for k in choose_restore_steps(nsteps, digest_steps, rng):
-            res = b.time("restore_in_place", "store.restore in place, random earlier step",
-                         lambda k=k: store.restore(snaps[k].id, image),
+        for n, k in enumerate(choose_restore_steps(nsteps, digest_steps, rng)):
+            # Nothing is written between these restores.
+            tracked = n % 2 == 1
+            key = tracked_key("restore_in_place", tracked)
+            res = b.time(key, tracked_label("store.restore in place, random earlier step",
+                                            tracked),
+                         lambda k=k, t=tracked: store.restore(
+                             snaps[k].id, image, written=NOTHING if t else None),
                          detail={"step": k})
-            b.rows["restore_in_place"]["detail"][-1].update(ranges=res.ranges, bytes=res.bytes)
+            assert res.tracked == tracked
+            b.rows[key]["detail"][-1].update(ranges=res.ranges, bytes=res.bytes)
             if k in digests:
                 b.check("restore in place", k, image, digests[k])
 
@@ -303,16 +340,19 @@ def run_store(b: Bench, image: str, size: int, nsteps: int, seed: int,
         extra = nsteps + 1
         for depth in (nsteps, 1):
             store.restore(snaps[depth].id, image)
-            for _ in range(DEPTH_REPEAT):
-                write_step(image, make_step(extra, size, seed), pool)
+            for n in range(DEPTH_REPEAT):
+                step = make_step(extra, size, seed)
+                write_step(image, step, pool)
                 extra += 1
-                res = b.time(f"restore_depth_{depth}",
-                             f"store.restore in place at depth {depth}, after one "
-                             f"uncommitted step",
-                             lambda d=depth: store.restore(snaps[d].id, image),
+                tracked = n % 2 == 1
+                key = tracked_key(f"restore_depth_{depth}", tracked)
+                res = b.time(key, tracked_label(f"store.restore in place at depth {depth}, "
+                                                f"after one uncommitted step", tracked),
+                             lambda d=depth, t=tracked, st=step: store.restore(
+                                 snaps[d].id, image, written=st.written() if t else None),
                              detail={"step": depth})
-                b.rows[f"restore_depth_{depth}"]["detail"][-1].update(ranges=res.ranges,
-                                                                      bytes=res.bytes)
+                assert res.tracked == tracked
+                b.rows[key]["detail"][-1].update(ranges=res.ranges, bytes=res.bytes)
             b.check(f"restore in place at depth {depth}", depth, image, digests[depth])
 
         files = list(store.objects.iterdir())
@@ -389,14 +429,21 @@ def run_fragmented(b: Bench, store_dir: str, size: int, seed: int,
         log(f"fragmented image: {FRAG_REPEAT} times a 100-block step, restore in place, "
             f"reflink clone")
         label = f"fragmented image ({extents:,} extents): restore in place after a 100-block step"
-        for i in range(FRAG_REPEAT):
+        for i in range(2 * FRAG_REPEAT):
             blocks = rng.choice(nblocks, size=min(RANDOM_BLOCKS, nblocks), replace=False)
             write_blocks(path, blocks, pool, FRAG_STEP_TAG | i)
-            res = b.time("frag_restore", label, lambda: store.restore(frag.id, path),
+            tracked = i % 2 == 1
+            key = tracked_key("frag_restore", tracked)
+            res = b.time(key, tracked_label(label, tracked),
+                         lambda t=tracked, bl=blocks: store.restore(
+                             frag.id, path, written=block_ranges(bl) if t else None),
                          detail={"step": 1})
-            b.rows["frag_restore"]["detail"][-1].update(ranges=res.ranges, bytes=res.bytes)
-            if i == 0:
+            assert res.tracked == tracked
+            b.rows[key]["detail"][-1].update(ranges=res.ranges, bytes=res.bytes)
+            if i < 2:
                 b.check("restore in place on the fragmented image", 1, path, digest)
+            if tracked:
+                continue
             b.time("frag_clone", "fragmented image: whole-image reflink clone "
                                  "(cp --reflink=always + fsync)",
                    lambda: (run_tool(["cp", "--reflink=always", path, clone]),
@@ -404,14 +451,18 @@ def run_fragmented(b: Bench, store_dir: str, size: int, seed: int,
             os.unlink(clone)
 
         log(f"fragmented image: {FRAG_REPEAT} times a 100-block step and a commit")
-        for i in range(FRAG_REPEAT):
+        for i in range(2 * FRAG_REPEAT):
             blocks = rng.choice(nblocks, size=min(RANDOM_BLOCKS, nblocks), replace=False)
-            write_blocks(path, blocks, pool, FRAG_STEP_TAG | (FRAG_REPEAT + i))
-            snap = b.time("frag_commit_step",
-                          "fragmented image: store.commit after a 100-block step",
-                          lambda i=i: store.commit(path, message=f"fragmented image: step {i}"))
-            b.rows["frag_commit_step"]["detail"].append({"ranges": snap.ranges,
-                                                         "changed_bytes": snap.changed_bytes})
+            write_blocks(path, blocks, pool, FRAG_STEP_TAG | (2 * FRAG_REPEAT + i))
+            tracked = i % 2 == 1
+            key = tracked_key("frag_commit_step", tracked)
+            snap = b.time(key, tracked_label(
+                              "fragmented image: store.commit after a 100-block step", tracked),
+                          lambda i=i, t=tracked, bl=blocks: store.commit(
+                              path, message=f"fragmented image: step {i}",
+                              written=block_ranges(bl) if t else None))
+            b.rows[key]["detail"].append({"ranges": snap.ranges,
+                                          "changed_bytes": snap.changed_bytes})
     finally:
         store.close()
     os.unlink(path)
@@ -520,9 +571,9 @@ def summarize(rows: dict[str, dict]) -> None:
         if n >= 40:
             first, last = np.median(r["samples"][:10]), np.median(r["samples"][-10:])
             trend = f"; p50 of the first 10 {suite.fmt_s(first)}, last 10 {suite.fmt_s(last)}"
-        if key == "commit" or key.startswith("frag_commit"):
+        if key in ("commit", "commit_tracked") or key.startswith("frag_commit"):
             r["note"] = f"median {int(np.median([d['ranges'] for d in det]))} ranges{trend}"
-        elif key.startswith("restore_") or key == "frag_restore":
+        elif key.startswith("restore_") or key.startswith("frag_restore"):
             r["note"] = (f"median {int(np.median([d['ranges'] for d in det]))} ranges, "
                          f"{human(float(np.median([d['bytes'] for d in det])))}")
         elif key == "qcow2_create":
@@ -593,9 +644,12 @@ def main(argv=None) -> int:
             sizes.update(qout["sizes"])
         os.sync()
 
-    order = ["full_copy", "reflink_clone", "commit_root", "commit", "restore_in_place",
-             "restore_fork", f"restore_depth_{nsteps}", "restore_depth_1", "frag_commit",
-             "frag_commit_step", "frag_restore", "frag_clone", "qcow2_base",
+    order = ["full_copy", "reflink_clone", "commit_root", "commit", "commit_tracked",
+             "restore_in_place", "restore_in_place_tracked", "restore_fork",
+             f"restore_depth_{nsteps}", f"restore_depth_{nsteps}_tracked", "restore_depth_1",
+             "restore_depth_1_tracked", "frag_commit", "frag_commit_step",
+             "frag_commit_step_tracked", "frag_restore", "frag_restore_tracked", "frag_clone",
+             "qcow2_base",
              "qcow2_create"] + sorted((k for k in b.rows if k.startswith("qcow2_flatten_")),
                                       key=lambda k: int(k.rsplit("_", 1)[1]))
     rows = {k: b.rows[k] for k in order if k in b.rows}
@@ -611,12 +665,16 @@ def main(argv=None) -> int:
           f"{RANDOM_BLOCKS} random 4 KiB blocks + {human(SEQUENTIAL)} sequential each. "
           f"Page cache dropped before each run of: {dropped}.{qnote}\n", flush=True)
     print(table(rows, sizes, nsteps))
-    depth = {k: rows[f"restore_depth_{k}"]["stats"]["p50"] for k in (nsteps, 1)}
-    print(f"\nrestore in place at depth {nsteps} / depth 1 (p50): "
-          f"{depth[nsteps] / depth[1]:.2f}×")
-    frag_ratio = rows["frag_restore"]["stats"]["p50"] / rows["frag_clone"]["stats"]["p50"]
-    print(f"in-place restore / reflink clone: {frag_ratio:.3f}× (fragmented image, "
-          f"{sizes['frag_extents']:,} extents, p50; target ≤ 0.1)")
+    print()
+    for suffix, how in (("", "mapped"), ("_tracked", "tracked")):
+        depth = {k: rows[f"restore_depth_{k}{suffix}"]["stats"]["p50"] for k in (nsteps, 1)}
+        print(f"restore in place at depth {nsteps} / depth 1 (p50, {how}): "
+              f"{depth[nsteps] / depth[1]:.2f}×")
+    for suffix, how in (("", "mapped"), ("_tracked", "tracked")):
+        frag_ratio = (rows[f"frag_restore{suffix}"]["stats"]["p50"]
+                      / rows["frag_clone"]["stats"]["p50"])
+        print(f"in-place restore / reflink clone: {frag_ratio:.3f}× (fragmented image, "
+              f"{sizes['frag_extents']:,} extents, p50, {how}; target ≤ 0.1)")
     bad = [c for c in b.checks if not c["identical"]]
     print(f"restores checked against the SHA-256 recorded at commit: {len(b.checks)}, "
           f"{'all identical' if not bad else f'{len(bad)} DIFFERENT'}")

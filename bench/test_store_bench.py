@@ -74,6 +74,23 @@ def test_write_blocks_writes_exactly_the_blocks(tmp_path):
     assert os.path.getsize(path) == size
 
 
+def test_a_steps_written_ranges_cover_exactly_what_it_wrote(tmp_path):
+    size = 16 * MiB
+    path = str(tmp_path / "image")
+    workloads.write_image(path, size, seed=2)
+    before = np.fromfile(path, dtype=np.uint64).reshape(-1, BLOCK // 8)
+    step = store_bench.make_step(3, size, seed=2)
+    store_bench.write_step(path, step, workloads._pool(1))
+    after = np.fromfile(path, dtype=np.uint64).reshape(-1, BLOCK // 8)
+    offsets, lengths = step.written()
+    covered = np.zeros(size // BLOCK, bool)
+    for o, n in zip(offsets.tolist(), lengths.tolist()):
+        covered[o // BLOCK:(o + n) // BLOCK] = True
+    assert np.array_equal(covered, (before != after).any(axis=1))
+    offsets, lengths = store_bench.block_ranges(np.array([5, 1], np.uint64))
+    assert offsets.tolist() == [5 * BLOCK, BLOCK] and lengths.tolist() == [BLOCK, BLOCK]
+
+
 def test_fragmenting_blocks_are_every_other_block_shuffled():
     picked = store_bench.fragmenting_blocks(1001, np.random.default_rng(0))
     assert np.array_equal(np.sort(picked), np.arange(0, 1001, 2, dtype=np.uint64))
@@ -108,8 +125,12 @@ def test_end_to_end_tiny_run(tmp_path, capsys, scratch_xfs_possible):
         argv.append("--no-qcow2")
     assert store_bench.main(argv) == 0
     printed = capsys.readouterr().out
-    assert "| store.commit after a step | 4 |" in printed
+    assert "| store.commit after a step | 2 |" in printed
+    assert "| store.commit after a step, tracked (written ranges given) | 2 |" in printed
     assert "| fragmented image: store.commit after a 100-block step | 5 |" in printed
+    assert ("| fragmented image: store.commit after a 100-block step, tracked (written ranges "
+            "given) | 5 |") in printed
+    assert "(p50, tracked)" in printed
     assert "| fragmented image: whole-image reflink clone" in printed
     assert "in-place restore / reflink clone: " in printed
     result = json.loads(out.read_text())
@@ -119,5 +140,6 @@ def test_end_to_end_tiny_run(tmp_path, capsys, scratch_xfs_possible):
     # 16 MiB: 4,096 blocks, every other one rewritten, so about one extent per block
     assert result["sizes"]["frag_extents"] >= 2048
     assert len(result["rows"]["frag_restore"]["samples"]) == store_bench.FRAG_REPEAT
+    assert len(result["rows"]["frag_restore_tracked"]["samples"]) == store_bench.FRAG_REPEAT
     assert all(d["ranges"] >= 1 for d in result["rows"]["frag_restore"]["detail"])
     assert not os.listdir(tmp_path / "scratch")      # nothing left mounted or behind
