@@ -8,10 +8,12 @@ reached through ``/proc/self/fd/N/NAME``, so deep store paths never hit the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -20,9 +22,11 @@ from pathlib import Path
 
 from blockdiff.agentlink import connect_unix
 from blockdiff.errors import BlockdiffError
+from blockdiff.nbd import dirty_ranges
 
 QEMU = "qemu-system-x86_64"
 AGENT_PORT = "org.blockdiff.agent"
+DISK_NODE = "disk0-raw"   # the disk's block node, where its dirty bitmap lives
 ACCEL_ENV = "BLOCKDIFF_VM_ACCEL"
 PROBE_TIMEOUT = 10.0
 
@@ -66,8 +70,8 @@ class Launch:
             "-serial", "file:console.log",
             # writeback: the guest's flushes become fdatasync on the image, and
             # QMP stop drains every write before a snapshot.
-            "-drive", f"file={self.disk},format=raw,if=none,id=disk0,cache=writeback,"
-                      f"discard=unmap,detect-zeroes=unmap",
+            "-drive", f"file={self.disk},format=raw,if=none,id=disk0,node-name={DISK_NODE},"
+                      f"cache=writeback,discard=unmap,detect-zeroes=unmap",
             "-device", "virtio-blk-pci,drive=disk0",
             "-device", "virtio-serial-pci",
             "-chardev", "socket,id=agent,path=agent.sock,server=on,wait=off",
@@ -122,9 +126,20 @@ class QMP:
         line, self._buf = self._buf.split(b"\n", 1)
         return json.loads(line)
 
-    def command(self, name: str, **arguments) -> dict:
+    def pass_fd(self, fdname: str, fd: int) -> None:
+        """Hand QEMU a file descriptor (``getfd``), to be named ``fdname`` in
+        later commands."""
+        message = json.dumps({"execute": "getfd", "arguments": {"fdname": fdname}})
+        socket.send_fds(self.sock, [message.encode() + b"\n"], [fd])
+        self._reply("getfd")
+
+    def command(self, name: str, /, **arguments) -> dict:
+        # Positional-only: QMP arguments may themselves be called "name".
         message = {"execute": name} | ({"arguments": arguments} if arguments else {})
         self.sock.sendall(json.dumps(message).encode() + b"\n")
+        return self._reply(name)
+
+    def _reply(self, name: str) -> dict:
         while True:
             reply = self._read()
             if "event" in reply:
@@ -132,6 +147,76 @@ class QMP:
             if "error" in reply:
                 raise VMError(f"QEMU refused {name}: {reply['error'].get('desc', reply)}")
             return reply.get("return", {})
+
+
+# ------------------------------------------------------ dirty tracking
+#
+# QEMU marks every block the guest writes or discards in a dirty bitmap. While
+# the VM is paused for a snapshot, a new bitmap takes over and the old one,
+# now frozen, is read through QEMU's NBD server (block status of the context
+# "qemu:dirty-bitmap:NAME") on a unix socket in the VM's directory, which
+# blockdiff binds and hands to QEMU: no path limit applies, and only users who
+# can enter the directory reach it.
+
+NBD_SOCKET = "nbd.sock"
+
+
+def _bitmap_name() -> str:
+    return f"blockdiff-{os.urandom(6).hex()}"
+
+
+def start_dirty_tracking(q: QMP, dir_fd: int) -> str:
+    """Start the NBD server and a dirty bitmap of 4 KiB granularity; returns
+    the bitmap's name."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(NBD_SOCKET, dir_fd=dir_fd)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(f"/proc/self/fd/{dir_fd}/{NBD_SOCKET}")
+        listener.listen(4)
+        q.pass_fd("nbd", listener.fileno())
+    finally:
+        listener.close()
+    q.command("nbd-server-start", addr={"type": "fd", "data": {"str": "nbd"}})
+    bitmap = _bitmap_name()
+    q.command("block-dirty-bitmap-add", node=DISK_NODE, name=bitmap, granularity=4096)
+    return bitmap
+
+
+def replace_dirty_bitmap(q: QMP, bitmap: str) -> str:
+    """Atomically start a new bitmap and freeze ``bitmap``; returns the new
+    one's name. With the VM paused, the old one then says what was written
+    up to now and the new one what is written from now on."""
+    new = _bitmap_name()
+    q.command("transaction", actions=[
+        {"type": "block-dirty-bitmap-add",
+         "data": {"node": DISK_NODE, "name": new, "granularity": 4096}},
+        {"type": "block-dirty-bitmap-disable", "data": {"node": DISK_NODE, "name": bitmap}}])
+    return new
+
+
+def read_dirty_bitmap(q: QMP, dir_fd: int, bitmap: str, *, timeout: float = 10.0):
+    """``(offsets, lengths)`` of the blocks a frozen bitmap marks, read over a
+    read-only NBD export made for the purpose."""
+    q.command("block-export-add", type="nbd", id=bitmap, name=bitmap, writable=False,
+              bitmaps=[bitmap], **{"node-name": DISK_NODE})
+    try:
+        return dirty_ranges(connect_unix(NBD_SOCKET, dir_fd), bitmap, bitmap, timeout=timeout)
+    finally:
+        q.command("block-export-del", id=bitmap, mode="hard")
+
+
+def drop_dirty_bitmaps(q: QMP, keep: str) -> None:
+    """Remove blockdiff's bitmaps other than ``keep``. One whose export QEMU
+    has not let go of yet stays until the next call."""
+    for node in q.command("query-named-block-nodes", flat=True):
+        if node.get("node-name") != DISK_NODE:
+            continue
+        for bitmap in node.get("dirty-bitmaps", []):
+            name = bitmap.get("name", "")
+            if name.startswith("blockdiff-") and name != keep:
+                with contextlib.suppress(VMError):
+                    q.command("block-dirty-bitmap-remove", node=DISK_NODE, name=name)
 
 
 # ------------------------------------------------------------ KVM probe

@@ -36,14 +36,25 @@ from pathlib import Path
 
 from blockdiff.agentlink import THAW, AgentLink, ExecResult, GuestError, GuestTimeout
 from blockdiff.engine import copy_file
-from blockdiff.errors import UsageError
+from blockdiff.errors import BlockdiffError, UsageError
 from blockdiff.identity import sha256_file
-from blockdiff.qemu import QMP, Launch, VMError, choose_accel
+from blockdiff.qemu import (
+    NBD_SOCKET,
+    QMP,
+    Launch,
+    VMError,
+    choose_accel,
+    drop_dirty_bitmaps,
+    read_dirty_bitmap,
+    replace_dirty_bitmap,
+    start_dirty_tracking,
+)
 from blockdiff.store import Store, open_store
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 KERNEL_FILES = ("vmlinuz", "initrd.img")
 DEFAULT_BOOT_TIMEOUT = 120.0
+TRACKING = "dirty-tracking.json"
 
 
 class UnknownVM(VMError):
@@ -57,12 +68,14 @@ class CheckpointTiming:
     freeze: float    # the guest flushing and freezing its filesystem
     paused: float    # the VM stopped: commit to the store
     total: float
+    tracked: bool = False   # QEMU's dirty bitmap said what to map
 
 
 @dataclass(frozen=True)
 class RestoreTiming:
     seconds: float   # from the call until the VM runs commands again
     rebooted: bool   # False when the disk was swapped under the running guest
+    tracked: bool = False   # QEMU's dirty bitmap said what was written
 
 
 @dataclass(frozen=True)
@@ -92,7 +105,8 @@ class Sandbox:
         if not NAME.fullmatch(name or ""):
             raise UsageError(f"bad VM name {name!r}: use letters, digits, '.', '_' and '-'")
         self.name = name
-        self.directory = self.store.root / "vms" / name
+        # Absolute: QEMU, daemonized, reopens the disk from another directory.
+        self.directory = (self.store.root / "vms" / name).absolute()
         if not (self.directory / "vm.json").is_file():
             raise UnknownVM(f"no VM named {name} in {self.store.root}; list them with: "
                             f"blockdiff vm ls")
@@ -294,6 +308,11 @@ class Sandbox:
             self._kill()
             raise VMError(f"VM {self.name} stopped while booting; its console: "
                           f"{_tail(self.directory / 'console.log')}") from None
+        # Without tracking (a QEMU that refuses it), every snapshot maps the
+        # whole disk: slower, never wrong.
+        with contextlib.suppress(VMError, OSError), self.qmp() as q, self._dir_fd() as fd:
+            bitmap = start_dirty_tracking(q, fd)
+            self._write_tracking({"pid": self.pid, "bitmap": bitmap, "mark": None})
 
     def stop(self, *, timeout: float = 20.0) -> None:
         """Shut the guest down cleanly (its disk unmounted); QEMU is killed if
@@ -318,7 +337,8 @@ class Sandbox:
         self._clean_runtime()
 
     def _clean_runtime(self) -> None:
-        for f in ("qmp.sock", "agent.sock", "qemu.pid", "checkpointing", "last-checkpoint.json"):
+        for f in ("qmp.sock", "agent.sock", "qemu.pid", "checkpointing", "last-checkpoint.json",
+                  NBD_SOCKET, TRACKING):
             (self.directory / f).unlink(missing_ok=True)
 
     def destroy(self) -> None:
@@ -377,8 +397,11 @@ class Sandbox:
                     q.command("stop")
                     paused = time.monotonic()
                     try:
+                        written = self._next_dirty_generation(q)
                         snap = self.store.commit(self.disk, message=message, meta=meta,
-                                                 ttl=ttl, skip_unchanged=skip_unchanged)
+                                                 ttl=ttl, skip_unchanged=skip_unchanged,
+                                                 written=written)
+                        self._dirty_baseline()
                     finally:
                         q.command("cont")
                         resumed = time.monotonic()
@@ -393,8 +416,54 @@ class Sandbox:
                             self._note_checkpoint(snap.id, thawed_writes)
             marker.unlink()
             self.last_checkpoint = CheckpointTiming(frozen - start, resumed - paused,
-                                                    time.monotonic() - start)
+                                                    time.monotonic() - start,
+                                                    written is not None)
             return snap.id
+
+    # Dirty tracking. The record in TRACKING names QEMU's current bitmap and
+    # the image's lineage mark when that bitmap was started: while the mark
+    # still holds (no commit or restore since), the bitmap has every write
+    # since the image was its lineage snapshot.
+
+    def _write_tracking(self, record: dict) -> None:
+        tmp = self.directory / f"{TRACKING}.tmp"
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, self.directory / TRACKING)
+
+    def _tracking(self) -> dict | None:
+        try:
+            record = json.loads((self.directory / TRACKING).read_text())
+        except (OSError, ValueError):
+            return None
+        return record if record.get("pid") == self.pid else None
+
+    def _next_dirty_generation(self, q: QMP):
+        """With the VM paused, before a commit or restore: start a new bitmap
+        and return what the old one says was written since the image was its
+        lineage snapshot, or None when that is not known."""
+        record = self._tracking()
+        if record is None:
+            return None
+        known = record["mark"] is not None and record["mark"] == self.store.lineage_mark(self.disk)
+        try:
+            new = replace_dirty_bitmap(q, record["bitmap"])
+        except VMError:
+            (self.directory / TRACKING).unlink()   # state unknown: no tracking until a reboot
+            return None
+        self._write_tracking(record | {"bitmap": new, "mark": None})
+        written = None
+        with contextlib.suppress(OSError, BlockdiffError), self._dir_fd() as fd:
+            if known:
+                written = read_dirty_bitmap(q, fd, record["bitmap"], timeout=self.guest_timeout)
+            drop_dirty_bitmaps(q, keep=new)
+        return written
+
+    def _dirty_baseline(self) -> None:
+        """After the commit or restore: the new bitmap started with the image
+        being the snapshot it now records."""
+        record = self._tracking()
+        if record is not None:
+            self._write_tracking(record | {"mark": self.store.lineage_mark(self.disk)})
 
     # A freeze and a thaw write to the guest's filesystem, so a running VM's
     # disk always differs after a checkpoint. Whether the guest wrote since is
@@ -426,35 +495,42 @@ class Sandbox:
         snap = self.store.get(snapshot_id)
         with self._lock():
             start = time.monotonic()
-            rebooted = False
+            rebooted = tracked = False
             if not self.running:
                 self.store.restore(snap.id, self.disk)
-            elif not self._swap_disk(snap):
-                self._kill()
-                self.store.restore(snap.id, self.disk)
-                self._boot(timeout)
-                rebooted = True
-            self.last_restore = RestoreTiming(time.monotonic() - start, rebooted)
+            else:
+                swapped = self._swap_disk(snap)
+                if swapped is None:
+                    self._kill()
+                    self.store.restore(snap.id, self.disk)
+                    self._boot(timeout)
+                    rebooted = True
+                else:
+                    tracked = swapped
+            self.last_restore = RestoreTiming(time.monotonic() - start, rebooted, tracked)
             return self.last_restore
 
-    def _swap_disk(self, snap) -> bool:
-        """Restore under the running guest; False if that cannot be done here
-        (another size, a copy-mode store that replaces files, a mute guest)."""
+    def _swap_disk(self, snap) -> bool | None:
+        """Restore under the running guest; None if that cannot be done here
+        (another size, a copy-mode store that replaces files, a mute guest),
+        else whether the dirty bitmap said what to rewrite."""
         if self.store.copy_mode or os.path.getsize(self.disk) != snap.size:
-            return False
+            return None
         try:
             with self._dir_fd() as fd, AgentLink("agent.sock", dir_fd=fd) as link:
                 link.detach(timeout=self.guest_timeout)
                 with self.qmp() as q:
                     q.command("stop")
                     try:
-                        self.store.restore(snap.id, self.disk)
+                        written = self._next_dirty_generation(q)
+                        self.store.restore(snap.id, self.disk, written=written)
+                        self._dirty_baseline()
                     finally:
                         q.command("cont")
                 link.attach(timeout=self.guest_timeout)
         except GuestError:
-            return False
-        return True
+            return None
+        return written is not None
 
     def fork(self, snapshot_id: str, new_name: str, *, start: bool = True,
              timeout: float = DEFAULT_BOOT_TIMEOUT) -> "Sandbox":

@@ -290,25 +290,39 @@ class Store:
         self.get(snapshot_id)
         return self.catalog.ancestry(snapshot_id)
 
-    def lineage(self, image: str | os.PathLike) -> tuple[str | None, str]:
-        """``(snapshot id, state)`` an image records for this store, else ``(None, "")``."""
+    def _lineage_record(self, image: str | os.PathLike) -> dict | None:
         try:
             raw = os.getxattr(image, LINEAGE_XATTR)
         except OSError as e:
             if e.errno in (errno.ENODATA, errno.ENOTSUP, errno.ENOENT):
-                return None, ""
+                return None
             raise
         try:
             record = json.loads(raw)
         except ValueError:
-            return None, ""
+            return None
         if record.get("store") != self.id or self.catalog.get(record.get("snapshot", "")) is None:
-            return None, ""   # another store's image, or a foreign one
+            return None   # another store's image, or a foreign one
+        return record
+
+    def lineage(self, image: str | os.PathLike) -> tuple[str | None, str]:
+        """``(snapshot id, state)`` an image records for this store, else ``(None, "")``."""
+        record = self._lineage_record(image)
+        if record is None:
+            return None, ""
         return record["snapshot"], record.get("state", "")
+
+    def lineage_mark(self, image: str | os.PathLike) -> str | None:
+        """A token that changes with every commit or restore of the image
+        (None if it has no lineage here): a dirty-block tracker reset right
+        after one of them can tell that no other came between."""
+        record = self._lineage_record(image)
+        return None if record is None else record.get("mark")
 
     def _set_lineage(self, fd: int, snapshot_id: str, state: str) -> None:
         os.setxattr(fd, LINEAGE_XATTR, json.dumps(
-            {"store": self.id, "snapshot": snapshot_id, "state": state}).encode())
+            {"store": self.id, "snapshot": snapshot_id, "state": state,
+             "mark": os.urandom(8).hex()}).encode())
 
     # ------------------------------------------------------------- commit
 
