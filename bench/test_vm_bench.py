@@ -27,5 +27,9 @@ def test_end_to_end_tiny_run(tmp_path, capsys, scratch_xfs_possible):
     assert result["checkpoint_paused"]["n"] == 12
     assert result["full_copy_paused"]["n"] == 2
     assert result["restore_swap"]["n"] == vm_bench.RESTORE_SAMPLES
+    assert result["restore_undo"]["n"] == vm_bench.UNDO_SAMPLES
+    # Every checkpoint but the first after the boot, and every swap, read the bitmap.
+    assert result["checkpoints_tracked"] == 11
+    assert result["swaps_tracked"] == result["swaps"] == 20
     assert result["changed_bytes"] >= 12 * vm_bench.MiB
     assert not list((tmp_path / "work" / "scratch").iterdir())  # nothing left mounted

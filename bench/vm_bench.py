@@ -15,11 +15,15 @@ Rows:
   fsfreeze, pause, thaw) per step, p50/p99;
 - full-copy snapshot: the same pause with a full sparse copy of the disk (cp
   --reflink=never) instead of a commit, every tenth step;
-- restore to running: from the call until the guest runs a command again at a
+- restore to running: from the call until the guest runs a command again: at
+  the step before, undoing an uncommitted step (an agent retrying it); at a
   random earlier step, by swapping the disk under the running guest; by
   rebooting (what a VM whose disk changed size gets); and from a full copy
   (stop QEMU, copy the disk back, boot);
 - fork to running: a new VM from a snapshot, booted.
+
+Checkpoints and swap restores read QEMU's dirty bitmap (all but the first
+checkpoint after a boot); the report says how many did.
 
 Needs root, xfsprogs, QEMU, and what ``blockdiff vm build-image`` needs.
 """
@@ -55,6 +59,7 @@ DEFAULT_TMP_DIR = "/var/tmp/blockdiff-vm-bench"
 RANDOM_BLOCKS = 100
 COPY_EVERY = 10
 RESTORE_SAMPLES = 10
+UNDO_SAMPLES = 10
 REBOOT_SAMPLES = 3
 
 
@@ -104,25 +109,37 @@ def run(args) -> dict:
         try:
             box.start()
             accel = box.status().accel
-            pause, total, copy_pause, ids = [], [], [], []
+            pause, total, copy_pause, ids, tracked = [], [], [], [], []
             pool_blocks = args.pool_mib * MiB // 4096
             for k in range(args.steps):
                 assert box.exec(step_command(k, pool_blocks, rnd)).status == 0
                 ids.append(box.checkpoint(f"step {k}"))
                 pause.append(box.last_checkpoint.paused)
                 total.append(box.last_checkpoint.total)
+                tracked.append(box.last_checkpoint.tracked)
                 if k % COPY_EVERY == 0:
                     copy_pause.append(full_copy_pause(box, mnt / "copy.img"))
             full_copy = mnt / "copy.img"
             copy_step = ids[-1]
 
-            swap, reboot, copy_restore, fork = [], [], [], []
+            swap, undo, reboot, copy_restore, fork = [], [], [], [], []
+            swaps_tracked = 0
+            for k in range(UNDO_SAMPLES):
+                assert box.exec(step_command(args.steps + k, pool_blocks, rnd)).status == 0
+                start = time.monotonic()
+                timing = box.restore(ids[-1])
+                until_running(box)
+                undo.append(time.monotonic() - start)
+                swaps_tracked += timing.tracked
+                assert not timing.rebooted
+                assert box.exec("cat /data/last").stdout == f"{args.steps - 1}\n".encode()
             for k in rnd.sample(range(args.steps - 1), min(RESTORE_SAMPLES, args.steps - 1)):
                 start = time.monotonic()
                 timing = box.restore(ids[k])
                 until_running(box)
                 assert not timing.rebooted
                 swap.append(time.monotonic() - start)
+                swaps_tracked += timing.tracked
                 assert box.exec("cat /data/last").stdout == f"{k}\n".encode()
             for k in rnd.sample(range(args.steps), REBOOT_SAMPLES):
                 start = time.monotonic()
@@ -155,7 +172,11 @@ def run(args) -> dict:
         "checkpoint_paused": stats(pause),
         "checkpoint_total": stats(total),
         "full_copy_paused": stats(copy_pause),
+        "restore_undo": stats(undo),
         "restore_swap": stats(swap),
+        "checkpoints_tracked": sum(tracked),
+        "swaps_tracked": swaps_tracked,
+        "swaps": len(undo) + len(swap),
         "restore_reboot": stats(reboot),
         "restore_full_copy": stats(copy_restore),
         "fork": stats(fork),
@@ -200,8 +221,10 @@ def table(r: dict) -> str:
     rows = [
         ("checkpoint: VM paused", r["checkpoint_paused"], r["full_copy_paused"]),
         ("checkpoint: whole call (freeze, pause, thaw)", r["checkpoint_total"], None),
-        ("restore to running (disk swapped, no reboot)", r["restore_swap"],
-         r["restore_full_copy"]),
+        ("restore to running: undo the last step (disk swapped, no reboot)",
+         r["restore_undo"], r["restore_full_copy"]),
+        ("restore to running: random earlier step (disk swapped, no reboot)",
+         r["restore_swap"], r["restore_full_copy"]),
         ("restore to running with a reboot", r["restore_reboot"], r["restore_full_copy"]),
         ("fork to running (new VM booted)", r["fork"], r["restore_full_copy"]),
     ]
@@ -217,7 +240,9 @@ def table(r: dict) -> str:
     out.append(f"\n{c['steps']} steps, {c['disk_mib']} MiB disk with a {c['pool_mib']} MiB pool, "
                f"{r['machine']['accel']}; the steps changed {human(r['changed_bytes'])} in all. "
                f"Creating the VM (its disk reflinked and committed whole as the root "
-               f"snapshot, before it runs) took {ms(r['create_seconds'])}.")
+               f"snapshot, before it runs) took {ms(r['create_seconds'])}. QEMU's dirty bitmap "
+               f"said what to map in {r['checkpoints_tracked']} of {c['steps']} checkpoints "
+               f"and {r['swaps_tracked']} of {r['swaps']} swap restores.")
     return "\n".join(out)
 
 

@@ -232,6 +232,32 @@ def _pairs(items) -> dict[str, str]:
     return pairs
 
 
+def _written(source) -> tuple | None:
+    """``--written FILE``: one ``OFFSET LENGTH`` pair (bytes, decimal) per line."""
+    if source is None:
+        return None
+    offsets, lengths = [], []
+    for number, line in enumerate(source, 1):
+        fields = line.split()
+        if not fields:
+            continue
+        try:
+            offset, length = (int(f) for f in fields)
+            if offset < 0 or length < 0:
+                raise ValueError
+        except ValueError:
+            raise click.BadParameter(f"line {number} of {source.name} is not 'OFFSET LENGTH' "
+                                     f"(two non-negative byte counts)", param_hint="--written")
+        offsets.append(offset)
+        lengths.append(length)
+    return offsets, lengths
+
+
+_WRITTEN_HELP = ("Ranges written to IMAGE since it was last committed or restored, one "
+                 "'OFFSET LENGTH' per line ('-': stdin), as a dirty-block tracker reports "
+                 "them: only those are mapped. They must cover every write.")
+
+
 @main.command()
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option("--allow-copy", is_flag=True,
@@ -261,8 +287,9 @@ def init(directory, allow_copy):
 @click.option("--ttl", help="Expire after this long (e.g. 30m, 2h, 7d).")
 @click.option("--skip-unchanged", is_flag=True,
               help="If nothing changed since the parent, print the parent's id instead.")
+@click.option("--written", type=click.File("r"), metavar="FILE", help=_WRITTEN_HELP)
 @reports_errors
-def commit(store_path, image, parent, message, meta, ttl, skip_unchanged):
+def commit(store_path, image, parent, message, meta, ttl, skip_unchanged, written):
     """Snapshot IMAGE; print the new snapshot's id as the last line.
 
     \b
@@ -271,7 +298,8 @@ def commit(store_path, image, parent, message, meta, ttl, skip_unchanged):
     """
     with _open_store(store_path) as store:
         snap = store.commit(image, parent=parent, message=message, meta=_pairs(meta),
-                            ttl=_duration(ttl), skip_unchanged=skip_unchanged)
+                            ttl=_duration(ttl), skip_unchanged=skip_unchanged,
+                            written=_written(written))
     click.echo(snap.id)
 
 
@@ -279,8 +307,9 @@ def commit(store_path, image, parent, message, meta, ttl, skip_unchanged):
 @store_option
 @click.argument("snapshot_id", metavar="ID")
 @click.argument("image", type=click.Path(dir_okay=False))
+@click.option("--written", type=click.File("r"), metavar="FILE", help=_WRITTEN_HELP)
 @reports_errors
-def restore(store_path, snapshot_id, image):
+def restore(store_path, snapshot_id, image, written):
     """Make IMAGE byte-identical to snapshot ID (a new path is a fork).
 
     \b
@@ -289,7 +318,7 @@ def restore(store_path, snapshot_id, image):
       blockdiff restore --store S 3f2a9c0d1e2b4a5c branch-b.img
     """
     with _open_store(store_path) as store:
-        result = store.restore(snapshot_id, image)
+        result = store.restore(snapshot_id, image, written=_written(written))
     how = "forked into" if result.forked else "restored in place"
     click.echo(f"{image}: {how} from {result.snapshot} ({result.ranges} ranges)")
 

@@ -258,3 +258,30 @@ def test_remap_splices_fresh_extents_into_the_base(case, seed):
     assert np.array_equal(whole.kind, part.kind)
     inside, outside = partition(base, starts, ends)
     assert int(inside[2].sum() + outside[2].sum()) == int(base.length.sum())
+
+
+def test_cli_written_ranges(store, xfs):
+    import subprocess
+    import sys
+
+    image = TrackedImage(xfs / "disk.img", 11)
+    cli = [sys.executable, "-m", "blockdiff"]
+    env = dict(os.environ, BLOCKDIFF_STORE=str(store.root))
+    first = subprocess.run([*cli, "commit", str(image.path)], env=env, capture_output=True,
+                           text=True, check=True).stdout.split()[-1]
+    image.step(4)
+    ranges = "".join(f"{o} {n}\n" for o, n in image.written)
+    second = subprocess.run([*cli, "commit", str(image.path), "--written", "-"], input=ranges,
+                            env=env, capture_output=True, text=True, check=True).stdout.split()[-1]
+    expected = read(image.path)
+    image.forget()
+    image.step(4)
+    ranges = "".join(f"{o} {n}\n" for o, n in image.written)
+    subprocess.run([*cli, "restore", second, str(image.path), "--written", "-"], input=ranges,
+                   env=env, capture_output=True, text=True, check=True)
+    assert read(image.path) == expected
+    bad = subprocess.run([*cli, "restore", first, str(image.path), "--written", "-"],
+                         input="12 x\n", env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "line 1 of <stdin> is not 'OFFSET LENGTH'" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    assert read(image.path) == expected
