@@ -197,24 +197,25 @@ def replace_dirty_bitmap(q: QMP, bitmap: str) -> str:
 
 def read_dirty_bitmap(q: QMP, dir_fd: int, bitmap: str, *, timeout: float = 10.0):
     """``(offsets, lengths)`` of the blocks a frozen bitmap marks, read over a
-    read-only NBD export made for the purpose."""
+    read-only NBD export made for the purpose (and left for
+    ``drop_dirty_bitmaps``, which need not run while the VM is paused)."""
     q.command("block-export-add", type="nbd", id=bitmap, name=bitmap, writable=False,
               bitmaps=[bitmap], **{"node-name": DISK_NODE})
-    try:
-        return dirty_ranges(connect_unix(NBD_SOCKET, dir_fd), bitmap, bitmap, timeout=timeout)
-    finally:
-        q.command("block-export-del", id=bitmap, mode="hard")
+    return dirty_ranges(connect_unix(NBD_SOCKET, dir_fd), bitmap, bitmap, timeout=timeout)
 
 
 def drop_dirty_bitmaps(q: QMP, keep: str) -> None:
-    """Remove blockdiff's bitmaps other than ``keep``. One whose export QEMU
-    has not let go of yet stays until the next call."""
+    """Remove blockdiff's bitmaps other than ``keep``, and their exports. QEMU
+    lets go of an export in the background, so a bitmap that is still
+    exported stays until the next call."""
     for node in q.command("query-named-block-nodes", flat=True):
         if node.get("node-name") != DISK_NODE:
             continue
         for bitmap in node.get("dirty-bitmaps", []):
             name = bitmap.get("name", "")
             if name.startswith("blockdiff-") and name != keep:
+                with contextlib.suppress(VMError):
+                    q.command("block-export-del", id=name, mode="hard")
                 with contextlib.suppress(VMError):
                     q.command("block-dirty-bitmap-remove", node=DISK_NODE, name=name)
 

@@ -405,6 +405,7 @@ class Sandbox:
                     finally:
                         q.command("cont")
                         resumed = time.monotonic()
+                    self._drop_old_dirty_bitmaps(q)
                 finally:
                     if meta["vm.flush"] == "fsfreeze":
                         frozen_writes = _disk_writes(q)  # nothing writes while frozen
@@ -451,12 +452,18 @@ class Sandbox:
             (self.directory / TRACKING).unlink()   # state unknown: no tracking until a reboot
             return None
         self._write_tracking(record | {"bitmap": new, "mark": None})
-        written = None
+        if not known:
+            return None
         with contextlib.suppress(OSError, BlockdiffError), self._dir_fd() as fd:
-            if known:
-                written = read_dirty_bitmap(q, fd, record["bitmap"], timeout=self.guest_timeout)
-            drop_dirty_bitmaps(q, keep=new)
-        return written
+            return read_dirty_bitmap(q, fd, record["bitmap"], timeout=self.guest_timeout)
+        return None
+
+    def _drop_old_dirty_bitmaps(self, q: QMP) -> None:
+        """Once the VM runs again: the bitmaps of earlier generations go."""
+        record = self._tracking()
+        if record is not None:
+            with contextlib.suppress(VMError):
+                drop_dirty_bitmaps(q, keep=record["bitmap"])
 
     def _dirty_baseline(self) -> None:
         """After the commit or restore: the new bitmap started with the image
@@ -527,6 +534,7 @@ class Sandbox:
                         self._dirty_baseline()
                     finally:
                         q.command("cont")
+                    self._drop_old_dirty_bitmaps(q)
                 link.attach(timeout=self.guest_timeout)
         except GuestError:
             return None
