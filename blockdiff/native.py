@@ -7,6 +7,7 @@ concerns.
 
 from __future__ import annotations
 
+import errno
 import os
 
 import numpy as np
@@ -101,19 +102,27 @@ def fiemap(fd: int, end: int, path: str | os.PathLike, *, sync: bool = True, sta
 def fiemap_ranges(fd: int, starts: np.ndarray, ends: np.ndarray, path: str | os.PathLike):
     """The extent maps of sorted, disjoint intervals ``[starts, ends)`` of an
     open file (not flushed first), each clipped to its interval, as one set of
-    four arrays sorted by offset. One FIEMAP per interval: the cost follows
-    the extents inside the intervals, not the file's."""
-    parts = []
-    for s, e in zip(starts.tolist(), ends.tolist()):
-        logical, physical, length, flags = fiemap(fd, e, path, sync=False, start=s, capacity=64)
-        end = np.minimum(logical + length, _U64(e))
-        lo = np.maximum(logical, _U64(s))
-        keep = lo < end
-        parts.append((lo[keep], physical[keep] + (lo[keep] - logical[keep]), end[keep] - lo[keep],
-                      flags[keep]))
-    if not parts:
-        return (np.zeros(0, _U64), np.zeros(0, _U64), np.zeros(0, _U64), np.zeros(0, np.uint32))
-    return tuple(np.concatenate([p[i] for p in parts]) for i in range(4))
+    four arrays sorted by offset. The cost follows the extents inside the
+    intervals, not the file's."""
+    starts = np.ascontiguousarray(starts, _U64)
+    ends = np.ascontiguousarray(ends, _U64)
+    count = ffi.new("size_t *")
+    capacity = 4 * len(starts) + 64
+    while True:
+        logical = np.empty(capacity, _U64)
+        physical = np.empty(capacity, _U64)
+        length = np.empty(capacity, _U64)
+        flags = np.empty(capacity, np.uint32)
+        rc = lib.bd_fiemap_ranges(fd, _u64(starts), _u64(ends), len(starts), _u64(logical),
+                                  _u64(physical), _u64(length),
+                                  ffi.from_buffer("uint32_t[]", flags), capacity, count)
+        if rc != -errno.ENOSPC:
+            break
+        capacity *= 8
+    _check(rc, path)
+    keep = length[:count[0]] > 0
+    return logical[:count[0]][keep], physical[:count[0]][keep], length[:count[0]][keep], \
+        flags[:count[0]][keep]
 
 
 def clone_file(dst_fd: int, src_fd: int, path: str | os.PathLike) -> None:

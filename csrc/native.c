@@ -245,6 +245,44 @@ int bd_fiemap(int fd, uint64_t start, uint64_t end, int sync,
     return 0;
 }
 
+int bd_fiemap_ranges(int fd, const uint64_t *starts, const uint64_t *ends, size_t n,
+                     uint64_t *logical, uint64_t *physical, uint64_t *length,
+                     uint32_t *flags, size_t capacity, size_t *count)
+{
+    size_t filled = 0;
+    *count = 0;
+    for (size_t r = 0; r < n; r++) {
+        size_t got;
+        uint64_t next;
+        if (filled == capacity)
+            return -ENOSPC;
+        int rc = bd_fiemap(fd, starts[r], ends[r], 0, logical + filled,
+                           physical + filled, length + filled, flags + filled,
+                           capacity - filled, &got, &next);
+        if (rc < 0)
+            return rc;
+        if (next != UINT64_MAX)
+            return -ENOSPC;
+        /* Extents crossing the range's bounds are cut to it, physical
+         * addresses moved along, so ranges never overlap in the output. */
+        for (size_t i = filled; i < filled + got; i++) {
+            uint64_t lo = logical[i] > starts[r] ? logical[i] : starts[r];
+            uint64_t end = logical[i] + length[i];
+            uint64_t hi = end < ends[r] ? end : ends[r];
+            if (hi <= lo) {
+                length[i] = 0;
+                continue;
+            }
+            physical[i] += lo - logical[i];
+            logical[i] = lo;
+            length[i] = hi - lo;
+        }
+        filled += got;
+    }
+    *count = filled;
+    return 0;
+}
+
 /* ------------------------------------------------------------------ */
 /* Reflink and copy                                                    */
 

@@ -23,6 +23,13 @@ int bd_fiemap(int fd, uint64_t start, uint64_t end, int sync,
               uint32_t *flags, size_t capacity, size_t *count,
               uint64_t *next_start);
 
+/* Extent maps of n sorted, disjoint ranges [starts[i], ends[i]) (no flush
+ * first), each extent cut to its range; entries cut to nothing get length 0.
+ * -ENOSPC when `capacity` entries do not suffice. */
+int bd_fiemap_ranges(int fd, const uint64_t *starts, const uint64_t *ends, size_t n,
+                     uint64_t *logical, uint64_t *physical, uint64_t *length,
+                     uint32_t *flags, size_t capacity, size_t *count);
+
 /* Whole-file reflink of src into dst (FICLONE). */
 int bd_clone_file(int dst_fd, int src_fd);
 

@@ -285,3 +285,26 @@ def test_cli_written_ranges(store, xfs):
     assert bad.returncode == 2 and "line 1 of <stdin> is not 'OFFSET LENGTH'" in bad.stderr
     assert "Traceback" not in bad.stderr
     assert read(image.path) == expected
+
+
+def test_fiemap_of_ranges_is_the_whole_map_cut_to_them(xfs):
+    path = xfs / "fragmented.img"
+    image = TrackedImage(path, 3)
+    os.system(f"cp --reflink=always {path} {xfs / 'base.img'}")
+    image.step(60)                                  # scattered extents, holes, unwritten
+    rng = np.random.default_rng(3)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        whole = ExtentMap.of_file(fd, path)
+        for _ in range(20):
+            points = np.unique(rng.integers(0, SIZE // BLOCK + 2, 2 * rng.integers(1, 40)))
+            points = points[: len(points) // 2 * 2].astype(np.uint64) * np.uint64(BLOCK)
+            starts, ends = points[0::2], points[1::2]
+            got = native.fiemap_ranges(fd, starts, ends, path)
+            expected, _ = partition(whole, starts, ends)
+            for a, b in zip(got[:3], expected[:3]):
+                assert np.array_equal(a, b)
+            last = np.uint32(native.EXTENT_LAST)   # says which extent ended a query
+            assert np.array_equal(got[3] & ~last, expected[3] & ~last)
+    finally:
+        os.close(fd)
