@@ -66,7 +66,7 @@ class CheckpointTiming:
     """Seconds spent in each phase of the last checkpoint."""
 
     freeze: float    # the guest flushing and freezing its filesystem
-    paused: float    # the VM stopped: commit to the store
+    paused: float    # the VM stopped: the dirty bitmap read, the commit
     total: float
     tracked: bool = False   # QEMU's dirty bitmap said what to map
 
@@ -393,6 +393,7 @@ class Sandbox:
                     with contextlib.suppress(GuestError):
                         link.send(THAW)
                 frozen = time.monotonic()
+                snap = None
                 try:
                     q.command("stop")
                     paused = time.monotonic()
@@ -413,7 +414,7 @@ class Sandbox:
                         thawed_writes = _disk_writes(q)
                         # The thaw writes the superblock once; more means the
                         # guest wrote too, and the next check must not skip.
-                        if thawed_writes - frozen_writes <= 1:
+                        if snap is not None and thawed_writes - frozen_writes <= 1:
                             self._note_checkpoint(snap.id, thawed_writes)
             marker.unlink()
             self.last_checkpoint = CheckpointTiming(frozen - start, resumed - paused,
@@ -446,6 +447,10 @@ class Sandbox:
         if record is None:
             return None
         known = record["mark"] is not None and record["mark"] == self.store.lineage_mark(self.disk)
+        # Not trusted from here until the new bitmap's baseline is recorded:
+        # should this process die after the swap, the next checkpoint must
+        # not read the old bitmap, which no longer records.
+        self._write_tracking(record | {"mark": None})
         try:
             new = replace_dirty_bitmap(q, record["bitmap"])
         except VMError:

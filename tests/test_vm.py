@@ -541,3 +541,36 @@ def test_dirty_tracking_snapshots_and_restores_exactly(store, box, xfs, monkeypa
         assert_disk_is(store, type("Disk", (), {"disk": copy}), snapshot_id, xfs)
     assert len(captured) == 4 + 4 + 1
     assert store.verify() == {}
+
+
+def test_a_checkpoint_dying_after_the_bitmap_swap_is_not_trusted(store, box, monkeypatch):
+    """Writes after such a death are only in the new bitmap, which no record
+    names: the next checkpoint must map the whole disk, not read the old one."""
+    from blockdiff import sandbox as sandbox_module
+
+    box.exec("echo a > /a")
+    box.checkpoint("one")
+    box.exec("echo b > /b")
+    box.checkpoint("two")
+    assert box.last_checkpoint.tracked
+    real = sandbox_module.replace_dirty_bitmap
+
+    def swaps_then_dies(q, bitmap):
+        real(q, bitmap)
+        raise KeyboardInterrupt("killed after the swap")
+
+    monkeypatch.setattr(sandbox_module, "replace_dirty_bitmap", swaps_then_dies)
+    box.exec("echo c > /c")
+    with pytest.raises(KeyboardInterrupt):
+        box.checkpoint("dies")
+    monkeypatch.undo()
+    box.exec("echo d > /d && sync")
+    after = box.checkpoint("after")
+    assert not box.last_checkpoint.tracked
+    box.exec("echo e > /e")
+    box.checkpoint("tracked again")
+    assert box.last_checkpoint.tracked
+    box.exec("rm /c /d /e")
+    box.restore(after)
+    assert box.exec("cat /a /b /c /d").stdout == b"a\nb\nc\nd\n"
+    assert box.exec("test -e /e").status == 1
