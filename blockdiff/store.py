@@ -499,6 +499,7 @@ class Store:
                 starts, ends = normalize_ranges(*written, size, BLOCK)
                 starts, ends = union(np.concatenate((between.offset, starts)),
                                      np.concatenate((between.offset + between.length, ends)))
+                ends = np.minimum(ends, np.uint64(size))   # never past the end of the file
             else:
                 native.fsync(fd, image)
                 current = ExtentMap.of_file(fd, image, sync=False)  # fsynced above
