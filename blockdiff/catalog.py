@@ -39,6 +39,12 @@ MIGRATIONS = [
     );
     CREATE INDEX layer_refs_layer ON layer_refs(layer);
     """,
+    # 2: maps stored as a delta on another snapshot's map. The reference
+    # keeps that snapshot from being deleted while a map still needs it.
+    """
+    ALTER TABLE snapshots ADD COLUMN map_base INTEGER REFERENCES snapshots(seq);
+    CREATE INDEX snapshots_map_base ON snapshots(map_base);
+    """,
 ]
 
 
@@ -70,12 +76,14 @@ class Snapshot:
     ranges: int = 0
     expires: float | None = None
     map_sha256: str = ""
+    map_base: str | None = None   # the snapshot whose map this one's is a delta on
 
 
 _SELECT = """
     SELECT s.seq, s.id, p.id, s.created, s.message, s.meta, s.size, s.changed_bytes,
-           s.ranges, s.expires, s.map_sha256
+           s.ranges, s.expires, s.map_sha256, b.id
     FROM snapshots s LEFT JOIN snapshots p ON p.seq = s.parent
+    LEFT JOIN snapshots b ON b.seq = s.map_base
 """
 
 
@@ -155,16 +163,21 @@ class Catalog:
     def add(self, db, snapshot: Snapshot, layers) -> int:
         """Insert a snapshot, and the layers its pieces use, inside an open
         transaction; returns its seq."""
-        parent_seq = None
-        if snapshot.parent is not None:
-            (parent_seq,) = db.execute("SELECT seq FROM snapshots WHERE id = ?",
-                                       (snapshot.parent,)).fetchone()
+        def seq_of(snapshot_id):
+            if snapshot_id is None:
+                return None
+            row = db.execute("SELECT seq FROM snapshots WHERE id = ?", (snapshot_id,)).fetchone()
+            if row is None:
+                raise sqlite3.IntegrityError(f"snapshot {snapshot_id} was removed meanwhile")
+            return row[0]
+
         cur = db.execute(
-            "INSERT INTO snapshots (id, parent, created, message, meta, size, "
-            "changed_bytes, ranges, expires, map_sha256) VALUES (?,?,?,?,?,?,?,?,?,?)",
-            (snapshot.id, parent_seq, snapshot.created, snapshot.message,
+            "INSERT INTO snapshots (id, parent, created, message, meta, size, changed_bytes, "
+            "ranges, expires, map_sha256, map_base) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            (snapshot.id, seq_of(snapshot.parent), snapshot.created, snapshot.message,
              json.dumps(snapshot.meta, sort_keys=True), snapshot.size, snapshot.changed_bytes,
-             snapshot.ranges, snapshot.expires, snapshot.map_sha256))
+             snapshot.ranges, snapshot.expires, snapshot.map_sha256,
+             seq_of(snapshot.map_base)))
         db.executemany("INSERT INTO layer_refs VALUES (?, ?)",
                        [(cur.lastrowid, int(layer)) for layer in layers])
         return cur.lastrowid
@@ -185,12 +198,26 @@ class Catalog:
         open transaction. Returns the layers no snapshot uses any more."""
         before = [layer for (layer,) in db.execute(
             "SELECT layer FROM layer_refs WHERE snapshot = ?", (snapshot.seq,))]
-        db.execute("UPDATE snapshots SET map_sha256 = ? WHERE seq = ?", (digest, snapshot.seq))
+        db.execute("UPDATE snapshots SET map_sha256 = ?, map_base = NULL WHERE seq = ?",
+                   (digest, snapshot.seq))
         db.execute("DELETE FROM layer_refs WHERE snapshot = ?", (snapshot.seq,))
         db.executemany("INSERT INTO layer_refs VALUES (?, ?)",
                        [(snapshot.seq, int(layer)) for layer in layers])
         return [layer for layer in before if db.execute(
             "SELECT 1 FROM layer_refs WHERE layer = ? LIMIT 1", (layer,)).fetchone() is None]
+
+    def map_dependents(self, snapshot_id: str, db=None) -> list[Snapshot]:
+        """The snapshots whose maps are deltas on this one's."""
+        rows = (db or self.db).execute(
+            _SELECT + " WHERE s.map_base = (SELECT seq FROM snapshots WHERE id = ?)",
+            (snapshot_id,))
+        return [_row(r) for r in rows]
+
+    def set_full_maps(self, db, maps: dict[int, str]) -> None:
+        """Point snapshots (by seq) at full maps (by digest), inside an open
+        transaction."""
+        db.executemany("UPDATE snapshots SET map_sha256 = ?, map_base = NULL WHERE seq = ?",
+                       [(digest, seq) for seq, digest in maps.items()])
 
     def layers_in_use(self) -> set[int]:
         """Every layer some snapshot's pieces use."""

@@ -392,28 +392,28 @@ def _merge_sorted(a: tuple, b: tuple) -> tuple:
     return tuple(np.insert(x, at, y) for x, y in zip(a, b))
 
 
-def partition(emap: ExtentMap, starts: np.ndarray, ends: np.ndarray):
-    """Split an extent map by sorted, disjoint intervals.
+def _partition_runs(start, length, moving, carried, starts, ends):
+    """Split runs ``[start, start + length)`` by sorted, disjoint intervals.
 
-    Returns ``(inside, outside)``: the parts of the extents inside the
-    intervals and the parts outside, as ``(logical, physical, length, flags)``
-    tuples sorted by offset, with physical addresses moved along. Only the
-    extents that meet an interval are cut; the rest are copied as they are,
-    so a few intervals over a map of a million extents cost a copy, not a sort.
+    ``moving`` arrays are positions that advance with the offset (physical
+    addresses, positions in a layer), ``carried`` arrays are copied (flags,
+    layers). Returns ``(inside, outside)``, each a tuple ``(start, length,
+    *moving, *carried)`` sorted by offset. Only the runs that meet an interval
+    are cut; the rest are copied as they are, so a few intervals over a
+    million runs cost a copy, not a sort.
     """
-    e_start = emap.logical
-    e_end = e_start + emap.length
-    if len(starts) and len(e_start):
-        k = np.searchsorted(ends, e_start, side="right")
+    end = start + length
+    if len(starts) and len(start):
+        k = np.searchsorted(ends, start, side="right")
         meets = k < len(starts)
-        meets[meets] = starts[k[meets]] < e_end[meets]
+        meets[meets] = starts[k[meets]] < end[meets]
     else:
-        meets = np.zeros(len(e_start), bool)
+        meets = np.zeros(len(start), bool)
     cut = np.flatnonzero(meets)
     whole = ~meets
-    untouched = (emap.logical[whole], emap.physical[whole], emap.length[whole],
-                 emap.flags[whole])
-    c_start, c_end = e_start[cut], e_end[cut]
+    untouched = (start[whole], length[whole], *(a[whole] for a in moving),
+                 *(a[whole] for a in carried))
+    c_start, c_end = start[cut], end[cut]
     points = _boundaries((c_start, c_end), (starts, ends))
     seg_start, seg_end = points[:-1], points[1:]
     ci, c_in = _locate(c_start, c_end, seg_start)
@@ -421,23 +421,49 @@ def partition(emap: ExtentMap, starts: np.ndarray, ends: np.ndarray):
 
     def take(mask):
         i = cut[ci[mask]]
-        logical = seg_start[mask]
-        return (logical, emap.physical[i] + (logical - emap.logical[i]),
-                seg_end[mask] - logical, emap.flags[i])
+        at = seg_start[mask]
+        return (at, seg_end[mask] - at, *(a[i] + (at - start[i]) for a in moving),
+                *(a[i] for a in carried))
 
-    inside = take(c_in & r_in)
-    outside = _merge_sorted(untouched, take(c_in & ~r_in))
-    return inside, outside
+    return take(c_in & r_in), _merge_sorted(untouched, take(c_in & ~r_in))
 
 
-def remap(base: ExtentMap, starts: np.ndarray, ends: np.ndarray, fresh: tuple):
+def partition(emap: ExtentMap, starts: np.ndarray, ends: np.ndarray):
+    """Split an extent map by sorted, disjoint intervals: ``(inside,
+    outside)``, each a ``(logical, physical, length, flags)`` tuple."""
+    inside, outside = _partition_runs(emap.logical, emap.length, (emap.physical,),
+                                      (emap.flags,), starts, ends)
+
+    def order(t):
+        logical, length, physical, flags = t
+        return logical, physical, length, flags
+
+    return order(inside), order(outside)
+
+
+def splice_pieces(base: PieceTable, starts: np.ndarray, ends: np.ndarray,
+                  inside: PieceTable) -> PieceTable:
+    """A piece table that is ``base`` outside the intervals and ``inside``
+    (pieces lying within them) inside, of ``inside``'s size."""
+    _, outside = _partition_runs(base.offset, base.length, (base.pos,), (base.layer,),
+                                 starts, ends)
+    offset, length, pos, layer = outside
+    merged = _merge_sorted((offset, length, layer, pos),
+                           (inside.offset, inside.length, inside.layer, inside.pos))
+    return PieceTable(*coalesce(*merged), size=inside.size)
+
+
+def remap(base: ExtentMap, starts: np.ndarray, ends: np.ndarray, fresh: tuple,
+          size: int | None = None):
     """An extent map that is ``base`` outside the intervals and ``fresh`` (the
     file's extents mapped inside them, clipped to them) inside.
 
-    Returns ``(current, previous)``: the spliced whole map, and ``base`` and
-    ``fresh`` restricted to the intervals as two maps, whose differences are
-    exactly the differences of the whole maps.
+    Returns ``(current, previous)``: the spliced whole map (of ``size``,
+    default the base's), and ``base`` and ``fresh`` restricted to the
+    intervals as two maps, whose differences are exactly the differences of
+    the whole maps.
     """
     inside, outside = partition(base, starts, ends)
-    current = ExtentMap(*_merge_sorted(outside, fresh), size=base.size)
+    current = ExtentMap(*_merge_sorted(outside, fresh),
+                        size=base.size if size is None else size)
     return current, (ExtentMap(*fresh, size=base.size), ExtentMap(*inside, size=base.size))

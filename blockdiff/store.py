@@ -15,12 +15,14 @@ the ranges that differ.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import hashlib
 import io
 import json
 import os
+import sqlite3
 import struct
 import threading
 import time
@@ -42,8 +44,10 @@ from blockdiff.extents import (
     coalesce,
     normalize_ranges,
     overlay,
+    partition,
     pieces_within,
     remap,
+    splice_pieces,
     union,
 )
 from blockdiff.scratch import process_alive
@@ -53,6 +57,11 @@ LINEAGE_XATTR = "user.blockdiff.lineage"
 EXPORT_MAGIC = b"BDEXPRT1"
 STORE_ENV = "BLOCKDIFF_STORE"
 MAP_CACHE = 4   # decoded maps kept per Store: the last commit's is the next one's parent
+# A commit stores its map as a delta on its parent's, whole at least every
+# MAP_CHAIN commits down a line: maps then take space in proportion to the
+# steps, not to the image's extents times the steps, and reading one reads
+# at most MAP_CHAIN files.
+MAP_CHAIN = 8
 
 
 class StoreError(BlockdiffError):
@@ -80,6 +89,17 @@ class SnapshotMap:
     own_crc: np.ndarray       # and their CRC32C
     own_layer: int = 0        # the layer those ranges are in (the snapshot's own, or
                               # the one compaction wrote)
+    chain: int = 0            # maps between this one and one stored whole (0: whole)
+
+
+@dataclass(frozen=True)
+class MapDelta:
+    """A map stored as a delta: inside the intervals ``[starts, ends)`` its
+    pieces and extents are its own, outside them those of ``base``'s map."""
+
+    base: str                 # the snapshot whose map this one builds on
+    starts: np.ndarray
+    ends: np.ndarray
 
 
 @dataclass
@@ -107,24 +127,51 @@ def _new_id() -> str:
     return f"{int.from_bytes(os.urandom(8), 'big') >> 1:016x}"
 
 
-def _encode_map(m: SnapshotMap) -> bytes:
+def _encode_map(m: SnapshotMap, delta: MapDelta | None = None) -> bytes:
+    """A map file: the whole map, or with ``delta`` only its parts inside the
+    delta's intervals."""
+    pieces, extents, extra = m.pieces, m.extents, {}
+    if delta is not None:
+        pieces, _ = pieces_within(m.pieces, delta.starts, delta.ends)
+        inside, _ = partition(m.extents, delta.starts, delta.ends)
+        extents = ExtentMap(*inside, size=m.extents.size)
+        extra = {"base": np.array(delta.base), "d_start": delta.starts, "d_end": delta.ends}
     buf = io.BytesIO()
-    np.savez(buf, size=np.uint64(m.pieces.size), p_offset=m.pieces.offset,
-             p_length=m.pieces.length, p_layer=m.pieces.layer, p_pos=m.pieces.pos,
-             e_logical=m.extents.logical, e_physical=m.extents.physical,
-             e_length=m.extents.length, e_flags=m.extents.flags, e_size=np.uint64(m.extents.size),
+    np.savez(buf, size=np.uint64(pieces.size), p_offset=pieces.offset,
+             p_length=pieces.length, p_layer=pieces.layer, p_pos=pieces.pos,
+             e_logical=extents.logical, e_physical=extents.physical,
+             e_length=extents.length, e_flags=extents.flags, e_size=np.uint64(extents.size),
              own_pos=m.own_pos, own_length=m.own_length, own_crc=m.own_crc,
-             own_layer=np.int64(m.own_layer))
+             own_layer=np.int64(m.own_layer), chain=np.int64(m.chain), **extra)
     return buf.getvalue()
 
 
-def _decode_map(raw: bytes) -> SnapshotMap:
+def _decode_map(raw: bytes) -> tuple[SnapshotMap, MapDelta | None]:
+    """A map file's contents: for a delta, only its own parts, and the delta."""
     z = np.load(io.BytesIO(raw))
     pieces = PieceTable(z["p_offset"], z["p_length"], z["p_layer"], z["p_pos"], int(z["size"]))
     extents = ExtentMap(z["e_logical"], z["e_physical"], z["e_length"], z["e_flags"],
                         int(z["e_size"]))
-    return SnapshotMap(pieces, extents, z["own_pos"], z["own_length"], z["own_crc"],
-                       int(z["own_layer"]))
+    chain = int(z["chain"]) if "chain" in z.files else 0   # maps before deltas: whole
+    smap = SnapshotMap(pieces, extents, z["own_pos"], z["own_length"], z["own_crc"],
+                       int(z["own_layer"]), chain)
+    delta = None
+    if "base" in z.files:
+        delta = MapDelta(str(z["base"]), z["d_start"], z["d_end"])
+    return smap, delta
+
+
+def _delta_on(parent: str, parent_map: SnapshotMap, changes, size: int) -> MapDelta:
+    """Where a child's map differs from its parent's: the changed ranges,
+    and the bytes between the two sizes. Elsewhere the pieces are the
+    parent's, and so are the extents, as far as comparing them goes (the same
+    addresses where there is data)."""
+    starts, ends = changes.offset, changes.offset + changes.length
+    psize = parent_map.pieces.size
+    if psize != size:
+        starts = np.append(starts, np.uint64(min(psize, size)))
+        ends = np.append(ends, np.uint64(max(psize, size)))
+    return MapDelta(parent, *union(starts, ends))
 
 
 def _compare_with_file(fd: int, path: str, base: Path | None):
@@ -269,11 +316,23 @@ class Store:
                 known = self._maps.get(snap.map_sha256)
             if known is not None:
                 return known
+        damaged = StoreError(f"the map of snapshot {snap.id} is damaged; "
+                             f"run: blockdiff verify --store {self.root}")
         raw = self.map_path(snap).read_bytes()
         if hashlib.sha256(raw).hexdigest() != snap.map_sha256:
-            raise StoreError(f"the map of snapshot {snap.id} is damaged; "
-                             f"run: blockdiff verify --store {self.root}")
-        smap = _decode_map(raw)
+            raise damaged
+        smap, delta = _decode_map(raw)
+        if delta is not None:
+            if delta.base != snap.map_base:
+                raise damaged
+            base = self.load_map(self.get(delta.base), cached=cached)
+            own = smap
+            extents, _ = remap(base.extents, delta.starts, delta.ends,
+                               (own.extents.logical, own.extents.physical, own.extents.length,
+                                own.extents.flags), size=own.extents.size)
+            smap = dataclasses.replace(
+                own, pieces=splice_pieces(base.pieces, delta.starts, delta.ends, own.pieces),
+                extents=extents)
         self._remember_map(snap.map_sha256, smap)
         return smap
 
@@ -413,7 +472,11 @@ class Store:
                                  data_pos, _layer_number(snap_id), emap.size)
                 smap = SnapshotMap(pieces, emap, data_pos[is_data], changes.length[is_data],
                                    crcs, _layer_number(snap_id))
-                raw = _encode_map(smap)
+                delta = None
+                if parent_map is not None and parent_map.chain + 1 < MAP_CHAIN:
+                    delta = _delta_on(parent, parent_map, changes, emap.size)
+                    smap.chain = parent_map.chain + 1
+                raw = _encode_map(smap, delta)
                 _write_readonly(map_tmp, raw)
                 digest = hashlib.sha256(raw).hexdigest()
                 os.rename(layer_tmp, self.objects / f"{snap_id}.layer")
@@ -422,12 +485,15 @@ class Store:
                 snap = Snapshot(0, snap_id, parent, time.time(), message, meta or {},
                                 emap.size, changes.bytes_of(DATA) + changes.bytes_of(ZERO),
                                 len(changes), None if ttl is None else time.time() + ttl,
-                                digest)
+                                digest, None if delta is None else parent)
                 if _imported:
                     snap.created, snap.message = _imported.created, _imported.message
                     snap.meta, snap.expires = _imported.meta, _imported.expires
-                with self.catalog.transaction() as db:
-                    snap.seq = self.catalog.add(db, snap, np.unique(pieces.layer))
+                try:
+                    with self.catalog.transaction() as db:
+                        snap.seq = self.catalog.add(db, snap, np.unique(pieces.layer))
+                except sqlite3.IntegrityError as e:   # the parent was removed meanwhile
+                    raise StoreError(f"cannot commit {image}: {e}; commit it again") from None
             except BaseException:
                 for p in (layer_tmp, map_tmp):
                     with contextlib.suppress(FileNotFoundError):
@@ -641,7 +707,10 @@ class Store:
             os.rename(map_tmp, new_map_path)
             _fsync_dir(self.objects)
             old_map = self.map_path(snap)
+            # Maps that are deltas on the old one are written whole first.
+            dependents, digests = self._whole_maps_of_dependents(snap)
             with self.catalog.transaction() as db:
+                self._point_dependents_at_whole_maps(db, snap, digests)
                 unused = self.catalog.replace_map(db, snap, digest, [layer])
         except BaseException:
             for p in (staged, map_tmp, layer_path, new_map_path):
@@ -650,6 +719,8 @@ class Store:
                         p.unlink()
             raise
         _unlink(old_map)
+        for dep in dependents:
+            _unlink(self.map_path(dep))
         for old in unused:
             _unlink(self.objects / f"{old:016x}.layer")
         return self.get(snapshot_id)
@@ -658,13 +729,48 @@ class Store:
         """Delete one snapshot; its descendants stay restorable byte for byte."""
         return self._remove([self.get(snapshot_id)], {snapshot_id: "asked"})
 
+    def _whole_maps_of_dependents(self, snap: Snapshot) -> tuple[list[Snapshot], dict[int, str]]:
+        """Before ``snap``'s map goes or changes: the maps that are deltas on
+        it, written whole (not yet in the catalog). Returns those snapshots
+        and, by seq, the digests of their new maps."""
+        dependents = self.catalog.map_dependents(snap.id)
+        digests = {}
+        for dep in dependents:
+            smap = dataclasses.replace(self.load_map(dep), chain=0)
+            raw = _encode_map(smap)
+            digest = hashlib.sha256(raw).hexdigest()
+            staged = self.staging / f"{dep.id}.{os.getpid()}.whole.map"
+            try:
+                _write_readonly(staged, raw)
+                os.rename(staged, self.objects / f"{dep.id}.{digest[:16]}.map")
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    staged.unlink()
+                raise
+            digests[dep.seq] = digest
+            self._remember_map(digest, smap)
+        if digests:
+            _fsync_dir(self.objects)
+        return dependents, digests
+
+    def _point_dependents_at_whole_maps(self, db, snap: Snapshot, digests: dict[int, str]):
+        """Inside the transaction that removes or rewrites ``snap``'s map."""
+        now = {dep.seq for dep in self.catalog.map_dependents(snap.id, db)}
+        if now != set(digests):
+            raise StoreError(f"a snapshot was committed on {snap.id} meanwhile; try again")
+        self.catalog.set_full_maps(db, digests)
+
     def _remove(self, snaps, reasons) -> Removal:
         freed = 0
         for snap in snaps:
+            dependents, digests = self._whole_maps_of_dependents(snap)
             with self.catalog.transaction() as db:
+                self._point_dependents_at_whole_maps(db, snap, digests)
                 unused = self.catalog.remove(db, snap)
             # Files go after the catalog commit: a crash in between leaves
             # only unreferenced files, which gc sweeps.
+            for dep in dependents:
+                freed += _unlink(self.map_path(dep))
             freed += _unlink(self.map_path(snap))
             # Its own layer may hold no piece at all (a step that changed nothing).
             in_use = self.catalog.layers_in_use()

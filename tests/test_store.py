@@ -180,7 +180,8 @@ def test_tampered_map_is_detected(store, xfs):
     os.chmod(path, 0o644)
     path.write_bytes(bytes(data))
     with pytest.raises(StoreError, match="damaged"):
-        Store(store.root).restore(snap.id, xfs / "out.img")   # as another process would
+        with Store(store.root) as other:     # as another process would
+            other.restore(snap.id, xfs / "out.img")
     assert store.verify(snap.id)
 
 
@@ -637,3 +638,67 @@ def test_catalog_migrations_apply_once(store, xfs):
     rows = again.db.execute("SELECT COUNT(*) FROM schema_migrations").fetchone()[0]
     assert rows == len(MIGRATIONS)
     again.close()
+
+
+def test_maps_are_deltas_with_a_whole_one_every_few_commits(store, xfs):
+    from blockdiff.store import MAP_CHAIN
+
+    image, snaps, digests = _line(store, xfs, 2 * MAP_CHAIN + 3, blocks=20)
+    snaps = [store.get(s.id) for s in snaps]
+    chains = [store.load_map(s).chain for s in snaps]
+    assert chains == [i % MAP_CHAIN for i in range(len(snaps))]
+    for snap, chain in zip(snaps, chains):
+        assert snap.map_base == (None if chain == 0 else snap.parent)
+    whole = store.map_path(snaps[MAP_CHAIN]).stat().st_size
+    delta = store.map_path(snaps[MAP_CHAIN + 3]).stat().st_size
+    assert delta < whole
+    # Read afresh (another process), every map through its chain: forks match.
+    other = Store(store.root)
+    for i, snap in enumerate(snaps):
+        out = xfs / f"d{i}.img"
+        other.restore(snap.id, out)
+        assert digest(out) == digests[i]
+        out.unlink()
+    other.close()
+    assert store.verify() == {}
+
+
+@pytest.mark.parametrize("operation", ["rm", "compact"])
+def test_removing_or_compacting_a_map_others_build_on(store, xfs, operation):
+    image, snaps, digests = _line(store, xfs, 7, blocks=20)
+    victim = snaps[2]
+    dependents = store.catalog.map_dependents(victim.id)
+    assert [d.id for d in dependents] == [snaps[3].id]
+    old_map = store.map_path(dependents[0])
+    getattr(store, operation)(victim.id)
+    assert not old_map.exists()          # the delta was rewritten whole
+    assert store.get(snaps[3].id).map_base is None
+    assert store.catalog.map_dependents(victim.id) == []
+    other = Store(store.root)
+    for i, snap in enumerate(snaps):
+        if operation == "rm" and i == 2:
+            continue
+        out = xfs / f"x{i}.img"
+        other.restore(snap.id, out)
+        assert digest(out) == digests[i], i
+        out.unlink()
+    other.close()
+    assert store.verify() == {}
+    # The line goes on as deltas.
+    write_blocks(image, 5, seed=7)
+    assert store.get(store.commit(image).id).map_base == snaps[-1].id
+
+
+def test_a_damaged_base_map_is_named(store, xfs):
+    image, snaps, _ = _line(store, xfs, 3)
+    path = store.map_path(snaps[1])
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    os.chmod(path, 0o644)
+    path.write_bytes(bytes(data))
+    with Store(store.root) as other:           # as another process would read them
+        problems = other.verify()
+        assert snaps[1].id in problems and snaps[2].id in problems
+        assert snaps[0].id not in problems
+        with pytest.raises(StoreError, match=f"map of snapshot {snaps[1].id} is damaged"):
+            other.restore(snaps[2].id, xfs / "out.img")
