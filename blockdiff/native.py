@@ -62,17 +62,17 @@ def _u64(array: np.ndarray):
     return ffi.from_buffer("uint64_t[]", array)
 
 
-def fiemap(fd: int, end: int, path: str | os.PathLike, *, sync: bool = True, start: int = 0,
-           capacity: int = _FIRST_FIEMAP_CAPACITY):
-    """The extent map of ``[start, end)`` of an open file as four arrays
-    (extents that cross the bounds are returned whole).
+def fiemap(fd: int, end: int, path: str | os.PathLike, *, sync: bool = True):
+    """The extent map of ``[0, end)`` of an open file as four arrays.
 
     Returns ``(logical, physical, length, flags)``: uint64, uint64, uint64,
     uint32. ``sync`` asks the kernel to flush dirty data first, so extents in
     the copy-on-write fork show their final location.
     Errors: EOPNOTSUPP/ENOTTY (no FIEMAP on this filesystem), EBADF.
     """
+    capacity = _FIRST_FIEMAP_CAPACITY
     parts: list[tuple[np.ndarray, ...]] = []
+    start = 0
     count = ffi.new("size_t *")
     next_start = ffi.new("uint64_t *")
     first = True
