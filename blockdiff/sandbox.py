@@ -71,6 +71,14 @@ class CheckpointTiming:
     tracked: bool = False   # QEMU's dirty bitmap said what to map
 
 
+@dataclass
+class Pause:
+    """One pause of the VM for its disk (see ``Sandbox._paused``)."""
+
+    written: tuple | None = None   # the guest's writes since the lineage snapshot
+    seconds: float = 0.0
+
+
 @dataclass(frozen=True)
 class RestoreTiming:
     seconds: float   # from the call until the VM runs commands again
@@ -395,18 +403,10 @@ class Sandbox:
                 frozen = time.monotonic()
                 snap = None
                 try:
-                    q.command("stop")
-                    paused = time.monotonic()
-                    try:
-                        written = self._next_dirty_generation(q)
+                    with self._paused(q) as pause:
                         snap = self.store.commit(self.disk, message=message, meta=meta,
                                                  ttl=ttl, skip_unchanged=skip_unchanged,
-                                                 written=written)
-                        self._dirty_baseline()
-                    finally:
-                        q.command("cont")
-                        resumed = time.monotonic()
-                    self._drop_old_dirty_bitmaps(q)
+                                                 written=pause.written)
                 finally:
                     if meta["vm.flush"] == "fsfreeze":
                         frozen_writes = _disk_writes(q)  # nothing writes while frozen
@@ -417,9 +417,9 @@ class Sandbox:
                         if snap is not None and thawed_writes - frozen_writes <= 1:
                             self._note_checkpoint(snap.id, thawed_writes)
             marker.unlink()
-            self.last_checkpoint = CheckpointTiming(frozen - start, resumed - paused,
+            self.last_checkpoint = CheckpointTiming(frozen - start, pause.seconds,
                                                     time.monotonic() - start,
-                                                    written is not None)
+                                                    pause.written is not None)
             return snap.id
 
     # Dirty tracking. The record in TRACKING names QEMU's current bitmap and
@@ -439,13 +439,35 @@ class Sandbox:
             return None
         return record if record.get("pid") == self.pid else None
 
+    @contextlib.contextmanager
+    def _paused(self, q: QMP):
+        """The VM paused (QMP ``stop`` drains every write) for a commit or a
+        restore of its disk. Yields a ``Pause`` whose ``written`` says what the
+        guest wrote since the disk was its lineage snapshot (None: unknown);
+        its ``seconds`` are set once the VM runs again."""
+        q.command("stop")
+        paused = time.monotonic()
+        pause = Pause()
+        try:
+            record, pause.written = self._next_dirty_generation(q)
+            yield pause
+            if record is not None:
+                # The new bitmap started with the disk being what it now records.
+                self._write_tracking(record | {"mark": self.store.lineage_mark(self.disk)})
+        finally:
+            q.command("cont")
+            pause.seconds = time.monotonic() - paused
+        if record is not None:
+            with contextlib.suppress(VMError):
+                drop_dirty_bitmaps(q, keep=record["bitmap"])
+
     def _next_dirty_generation(self, q: QMP):
-        """With the VM paused, before a commit or restore: start a new bitmap
-        and return what the old one says was written since the image was its
-        lineage snapshot, or None when that is not known."""
+        """With the VM paused: start a new bitmap. Returns the record naming
+        it (None without tracking) and what the old one says was written since
+        the disk was its lineage snapshot (None when that is not known)."""
         record = self._tracking()
         if record is None:
-            return None
+            return None, None
         known = record["mark"] is not None and record["mark"] == self.store.lineage_mark(self.disk)
         # Not trusted from here until the new bitmap's baseline is recorded:
         # should this process die after the swap, the next checkpoint must
@@ -455,27 +477,15 @@ class Sandbox:
             new = replace_dirty_bitmap(q, record["bitmap"])
         except VMError:
             (self.directory / TRACKING).unlink()   # state unknown: no tracking until a reboot
-            return None
-        self._write_tracking(record | {"bitmap": new, "mark": None})
+            return None, None
+        current = record | {"bitmap": new, "mark": None}
+        self._write_tracking(current)
         if not known:
-            return None
+            return current, None
         with contextlib.suppress(OSError, BlockdiffError), self._dir_fd() as fd:
-            return read_dirty_bitmap(q, fd, record["bitmap"], timeout=self.guest_timeout)
-        return None
-
-    def _drop_old_dirty_bitmaps(self, q: QMP) -> None:
-        """Once the VM runs again: the bitmaps of earlier generations go."""
-        record = self._tracking()
-        if record is not None:
-            with contextlib.suppress(VMError):
-                drop_dirty_bitmaps(q, keep=record["bitmap"])
-
-    def _dirty_baseline(self) -> None:
-        """After the commit or restore: the new bitmap started with the image
-        being the snapshot it now records."""
-        record = self._tracking()
-        if record is not None:
-            self._write_tracking(record | {"mark": self.store.lineage_mark(self.disk)})
+            return current, read_dirty_bitmap(q, fd, record["bitmap"],
+                                              timeout=self.guest_timeout)
+        return current, None
 
     # A freeze and a thaw write to the guest's filesystem, so a running VM's
     # disk always differs after a checkpoint. Whether the guest wrote since is
@@ -531,19 +541,12 @@ class Sandbox:
         try:
             with self._dir_fd() as fd, AgentLink("agent.sock", dir_fd=fd) as link:
                 link.detach(timeout=self.guest_timeout)
-                with self.qmp() as q:
-                    q.command("stop")
-                    try:
-                        written = self._next_dirty_generation(q)
-                        self.store.restore(snap.id, self.disk, written=written)
-                        self._dirty_baseline()
-                    finally:
-                        q.command("cont")
-                    self._drop_old_dirty_bitmaps(q)
+                with self.qmp() as q, self._paused(q) as pause:
+                    self.store.restore(snap.id, self.disk, written=pause.written)
                 link.attach(timeout=self.guest_timeout)
         except GuestError:
             return None
-        return written is not None
+        return pause.written is not None
 
     def fork(self, snapshot_id: str, new_name: str, *, start: bool = True,
              timeout: float = DEFAULT_BOOT_TIMEOUT) -> "Sandbox":
