@@ -1,12 +1,14 @@
 """Time and peak memory of the extent algebra on a synthetic map.
 
-    python bench/algebra.py [--extents N] [--repeat R]
+    python bench/algebra.py [--extents N] [--repeat R] [--delta-ranges K]
 
 Two maps of N extents (1,000,000 by default) with random lengths and
 physical addresses, every other extent of the target rewritten elsewhere, as
 after a step that touched half an image's extents. Prints the median time of
 ``changed_ranges`` and the process's peak RSS, which includes Python, numpy and
-both maps.
+both maps. Then the median time of reading one delta map (a step's K ranges,
+101 by default, spliced into its parent's extent map and piece table of N
+entries), the work a map stored as a delta costs per link of its chain.
 """
 
 from __future__ import annotations
@@ -18,7 +20,16 @@ import time
 
 import numpy as np
 
-from blockdiff.extents import ExtentMap, changed_ranges
+from blockdiff.extents import (
+    ExtentMap,
+    PieceTable,
+    changed_ranges,
+    normalize_ranges,
+    partition,
+    pieces_within,
+    remap,
+    splice_pieces,
+)
 
 BLOCK = 4096
 
@@ -38,10 +49,39 @@ def synthetic_pair(n: int) -> tuple[ExtentMap, ExtentMap]:
     return ExtentMap.from_arrays(logical, moved, length, flags, size), base
 
 
+def median_seconds(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def delta_splice(base: ExtentMap, k: int):
+    """What reading a delta map does: a step's k one-block ranges spliced into
+    the parent's extent map and piece table (one piece per extent)."""
+    rng = np.random.default_rng(11)
+    pieces = PieceTable(base.logical, base.length,
+                        rng.integers(1, 200, len(base)).astype(np.int64), base.logical, base.size)
+    offsets = rng.choice(base.size // BLOCK, size=k, replace=False).astype(np.uint64)
+    starts, ends = normalize_ranges(offsets * np.uint64(BLOCK), np.full(k, BLOCK, np.uint64),
+                                    base.size)
+    own_pieces, _ = pieces_within(pieces, starts, ends)
+    own_extents, _ = partition(base, starts, ends)
+
+    def splice():
+        splice_pieces(pieces, starts, ends, own_pieces)
+        remap(base, starts, ends, own_extents)
+
+    return splice
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--extents", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--delta-ranges", type=int, default=101)
     args = parser.parse_args()
     target, base = synthetic_pair(args.extents)
     times = []
@@ -52,6 +92,9 @@ def main() -> None:
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"changed_ranges on {args.extents:,} extents: median {statistics.median(times):.3f} s "
           f"over {args.repeat} runs, {len(ranges):,} ranges; peak RSS {peak_mb:.0f} MB")
+    splice = median_seconds(delta_splice(base, args.delta_ranges), max(args.repeat, 20))
+    print(f"a delta map of {args.delta_ranges} ranges spliced into a map and piece table of "
+          f"{args.extents:,} entries: median {splice * 1000:.2f} ms")
 
 
 if __name__ == "__main__":
