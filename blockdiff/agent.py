@@ -36,6 +36,7 @@ from pathlib import Path
 from blockdiff.catalog import immediate_transaction
 from blockdiff.disks import Disk, ImageDisk
 from blockdiff.errors import BlockdiffError, UsageError
+from blockdiff.retention import check_duration
 from blockdiff.sealing import Codec
 from blockdiff.store import Store, open_store
 
@@ -522,6 +523,8 @@ class Agent:
                  reopen_failed: bool = False, trace: Callable[[str], None] | None = None):
         if not thread_id or "/" in thread_id:
             raise UsageError(f"bad thread id {thread_id!r}")
+        if ttl is not None:
+            ttl = check_duration(ttl, "ttl")
         self.store = store if isinstance(store, Store) else open_store(store)
         self.codec = Codec(key, secrets=secrets, redactor=redactor)
         self.db = AgentDB(self.store)

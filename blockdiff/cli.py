@@ -209,17 +209,26 @@ def _open_store(path):
     return open_store(path)
 
 
-def _duration(value: str | None) -> float | None:
-    """'90s', '15m', '2h', '7d' or plain seconds, in seconds."""
+def _duration(value: str | None, option: str = "--ttl") -> float | None:
+    """'90s', '15m', '2h', '7d' or plain seconds, in seconds: finite and not negative."""
+    import math
+
+    from blockdiff.errors import UsageError
+
     if value is None:
         return None
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
     try:
         if value[-1:] in units:
-            return float(value[:-1]) * units[value[-1]]
-        return float(value)
+            seconds = float(value[:-1]) * units[value[-1]]
+        else:
+            seconds = float(value)
     except ValueError:
-        raise click.BadParameter(f"{value!r} is not a duration (e.g. 90s, 15m, 2h, 7d)")
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 0:
+        raise UsageError(f"{option} {value!r} is not a duration: give a length of time that is "
+                         f"not negative (e.g. 90s, 15m, 2h, 7d)")
+    return seconds
 
 
 def _pairs(items) -> dict[str, str]:
@@ -418,7 +427,7 @@ def gc(store_path, keep_last, keep_within, dry_run):
     from blockdiff.retention import Policy
     from blockdiff.view import human_size
 
-    policy = Policy(keep_last=keep_last, keep_within=_duration(keep_within))
+    policy = Policy(keep_last=keep_last, keep_within=_duration(keep_within, "--keep-within"))
     with _open_store(store_path) as store:
         result = store.gc(policy, dry_run=dry_run)
     verb = "would remove" if dry_run else "removed"

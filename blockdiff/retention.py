@@ -7,15 +7,53 @@ has to protect ancestors.
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass
+
+from blockdiff.errors import UsageError
 
 
 @dataclass(frozen=True)
 class Policy:
-    """What to keep. Expired snapshots (past their TTL) always go."""
+    """What to keep. Expired snapshots (past their TTL) always go.
+
+    A negative, NaN or infinite window, or a negative count, is refused
+    (:class:`~blockdiff.errors.UsageError`): a window of -5 days would keep
+    nothing and remove every snapshot."""
 
     keep_last: int | None = None       # the N newest snapshots
     keep_within: float | None = None   # snapshots younger than this many seconds
+
+    def __post_init__(self):
+        if self.keep_last is not None and (
+                isinstance(self.keep_last, bool) or not _is_index(self.keep_last)
+                or self.keep_last < 0):
+            raise UsageError(f"keep_last {self.keep_last!r} is not a number of snapshots "
+                             f"(a whole number, 0 or more)")
+        if self.keep_within is not None:
+            check_duration(self.keep_within, "keep_within")
+
+
+def _is_index(value) -> bool:
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def check_duration(seconds, what: str) -> float:
+    """``seconds`` as a float if it is a finite length of time, not negative;
+    otherwise :class:`~blockdiff.errors.UsageError` naming ``what``."""
+    try:
+        value = float(seconds)
+    except (TypeError, ValueError):
+        value = math.nan
+    if isinstance(seconds, bool) or not math.isfinite(value) or value < 0:
+        raise UsageError(f"{what} {seconds!r} is not a duration: give a finite number of "
+                         f"seconds, 0 or more")
+    return value
 
 
 def apply_policy(snapshots, policy: Policy, now: float):

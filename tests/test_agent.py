@@ -478,3 +478,13 @@ def test_a_tool_that_fails_may_have_taken_effect_unless_it_says_not(setup):
         assert [e.status for e in AgentDB(store).journal("t")] == ["done"]
         order_step(a, image, 20)
     assert len(attempts) == 3 and sorted(bank.charges.values()) == [10, 20]
+
+
+@pytest.mark.parametrize("ttl", [-1, -0.001, float("nan"), float("inf"), "soon"])
+def test_a_negative_or_endless_ttl_is_refused(setup, ttl):
+    from blockdiff.errors import UsageError
+
+    store, _, _ = setup
+    with pytest.raises(UsageError, match="ttl"):
+        Agent(store, "t", ttl=ttl)
+    assert AgentDB(store).threads() == []   # refused before the thread was made

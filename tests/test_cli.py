@@ -286,3 +286,52 @@ def test_unknown_format_choice(pair):
     directory, base, target, _, _ = pair
     proc = run("create", directory / "x.bdiff", target, "--format", "v7", ok=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------------------ durations
+
+
+@pytest.mark.parametrize("option, value", [
+    ("--ttl", "-5"), ("--ttl", "-1h"), ("--ttl", "nan"), ("--ttl", "inf"), ("--ttl", "infd"),
+    ("--ttl", "soon"), ("--keep-within", "-5d"), ("--keep-within", "-0.5"),
+    ("--keep-within", "nanh"), ("--keep-within", "inf"),
+])
+def test_negative_or_endless_durations_are_refused(xfs, option, value):
+    store, image = xfs / "store", xfs / "disk.img"
+    run("init", store)
+    with open(image, "wb") as f:
+        f.write(b"disk" * BLOCK)
+    first = run("commit", "--store", store, image, "-m", "one").stdout.split()[-1]
+    if option == "--ttl":
+        fails("commit", "--store", store, image, "--ttl", value, code=2,
+              match=f"--ttl '{value}' is not a duration")
+    else:
+        fails("gc", "--store", store, "--keep-within", value, code=2,
+              match=f"--keep-within '{value}' is not a duration")
+    # Nothing was committed or removed.
+    log = json.loads(run("log", "--store", store, "--json").stdout)
+    assert [s["id"] for s in log] == [first]
+
+
+def test_durations_that_are_not_negative_are_taken(xfs):
+    store, image = xfs / "store", xfs / "disk.img"
+    run("init", store)
+    with open(image, "wb") as f:
+        f.write(b"disk" * BLOCK)
+    run("commit", "--store", store, image, "--ttl", "2h")
+    (snap,) = json.loads(run("log", "--store", store, "--json").stdout)
+    assert snap["expires"] - snap["created"] == pytest.approx(7200, abs=5)
+    assert "removed" in run("gc", "--store", store, "--keep-within", "0.5d").stdout
+    assert len(json.loads(run("log", "--store", store, "--json").stdout)) == 1
+
+
+@pytest.mark.parametrize("policy", [{"keep_within": -5 * 86400.0}, {"keep_within": float("nan")},
+                                    {"keep_within": float("inf")}, {"keep_last": -1},
+                                    {"keep_last": 1.5}])
+def test_retention_policy_refuses_negative_and_endless_values(policy):
+    from blockdiff.errors import UsageError
+    from blockdiff.retention import Policy
+
+    with pytest.raises(UsageError):
+        Policy(**policy)
+    assert Policy(keep_last=0, keep_within=0).keep_within == 0
