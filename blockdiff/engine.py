@@ -117,19 +117,24 @@ def copy_file(src: str | os.PathLike, dst: str | os.PathLike) -> bool:
 
 
 @contextlib.contextmanager
-def atomic_output(final_path: str, mode: int = 0o644):
+def atomic_output(final_path: str, mode: int = 0o666):
     """A temporary file beside ``final_path`` that replaces it only on success.
 
     Yields ``(fd, temp_path)``. On success the file is fsynced, renamed over
     the final name and the directory fsynced; on failure it is removed, so a
     half-written result never appears under the final name.
+
+    The file gets ``mode`` less the process's umask, as ``open()`` would give
+    a new file (the kernel applies the umask when it creates the file, so
+    nothing reads or changes the process-wide umask). A ``final_path`` that
+    is a symbolic link is replaced by the new file; what it pointed to is
+    left untouched.
     """
     directory = os.path.dirname(os.path.abspath(final_path))
     # O_EXCL with a random name, like tempfile.mkstemp, without its import cost.
     temp = os.path.join(directory, f".{os.path.basename(final_path)}.{os.urandom(6).hex()}.partial")
-    fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode & 0o7777)
     try:
-        os.fchmod(fd, mode)
         yield fd, temp
         native.fsync(fd, temp)
         os.rename(temp, final_path)
@@ -329,6 +334,43 @@ def read_diff(path: str | os.PathLike) -> fmt.DiffHeader:
         return fmt.read_header(fd, path)
 
 
+def _check_capacity(header: fmt.DiffHeader, diff: str, target: str) -> None:
+    """Refuse, before anything is read or written, a target larger than the
+    whole filesystem it would be written to.
+
+    A target may be sparse, so only the data apply writes has to fit in the
+    free space (and running out is an ENOSPC that leaves nothing behind); but
+    no file on a filesystem is meant to be larger than the filesystem itself,
+    and a small diff claiming a vast target is refused here rather than made
+    into a file nothing can read through.
+    """
+    directory = os.path.dirname(os.path.abspath(target))
+    st = os.statvfs(directory)
+    capacity = st.f_blocks * st.f_frsize
+    if capacity and header.target_size > capacity:   # 0: the filesystem does not say
+        from blockdiff.view import human_size
+        raise OSError(errno.ENOSPC,
+                      f"No space left on device: {diff} describes a target of "
+                      f"{header.target_size} bytes ({human_size(header.target_size)}), larger "
+                      f"than the whole filesystem ({human_size(capacity)}) it would be "
+                      f"written to", target)
+
+
+def _check_file_size(fd: int, header: fmt.DiffHeader, diff: str, target: str,
+                     temp: str) -> None:
+    """Refuse a target larger than the filesystem's largest file, asking the
+    kernel: sizing the new, empty file up and back down costs nothing."""
+    try:
+        native.truncate(fd, header.target_size, temp)
+    except OSError as e:
+        if e.errno not in (errno.EFBIG, errno.EINVAL):
+            raise
+        raise OSError(errno.EFBIG, f"File too large: {diff} describes a target of "
+                                   f"{header.target_size} bytes, more than this filesystem "
+                                   f"allows in one file", target) from None
+    native.truncate(fd, 0, temp)
+
+
 def apply_diff(diff: str | os.PathLike, target: str | os.PathLike,
                base: str | os.PathLike | None = None) -> ApplyResult:
     """Rebuild the target a diff describes, at ``target``, from ``base``.
@@ -346,10 +388,12 @@ def apply_diff(diff: str | os.PathLike, target: str | os.PathLike,
         header = fmt.read_header(diff_fd, diff)
         base_fd = None if base is None else stack.enter_context(_open(base))
         _check_base(header, diff, base_fd, base)
+        _check_capacity(header, diff, target)
         verify_data(diff_fd, header, diff)
 
-        mode = 0o644 if base_fd is None else os.fstat(base_fd).st_mode & 0o7777
+        mode = 0o666 if base_fd is None else os.fstat(base_fd).st_mode & 0o7777
         out_fd, temp = stack.enter_context(atomic_output(target, mode))
+        _check_file_size(out_fd, header, diff, target, temp)
         base_reflinked = False
         if base_fd is not None:
             base_reflinked = clone_or_copy(base_fd, out_fd, header.base_size, temp)
@@ -366,8 +410,15 @@ def apply_diff(diff: str | os.PathLike, target: str | os.PathLike,
         _, reflinked = native.transfer_ranges(
             diff_fd, out_fd, np.uint64(header.data_offset) + header.data_pos[is_data],
             ranges.offset[is_data], ranges.length[is_data], temp)
-        zero = ranges.kind == ZERO
-        native.zero_ranges(out_fd, ranges.offset[zero], ranges.length[zero], temp)
+        if base_fd is not None:
+            # Only the base's bytes need zeroing: past its end the file reads as
+            # zeros already, so a ZERO range costs at most the base's size even
+            # where holes cannot be punched and zeros are written instead.
+            limit = np.uint64(min(header.base_size, header.target_size))
+            zero = (ranges.kind == ZERO) & (ranges.offset < limit)
+            z_off = ranges.offset[zero]
+            native.zero_ranges(out_fd, z_off, np.minimum(ranges.length[zero], limit - z_off),
+                               temp)
         native.truncate(out_fd, header.target_size, temp)
         if header.version == 2 and header.target_id != fmt.NO_ID:
             identity.tag_snapshot_id(out_fd, header.target_id)

@@ -143,8 +143,23 @@ def v2_data_offset(range_count: int, block: int = 4096) -> int:
 
 # ---------------------------------------------------------------- reading
 
+# No file can be larger than this (off_t is signed 64 bits), so no size,
+# offset or end read from a header may exceed it.
+MAX_FILE_SIZE = (1 << 63) - 1
+# Blocks a v2 fingerprint may sample: 16 MiB of reads of the base. Writers use
+# identity.FINGERPRINT_SAMPLES (256); more is refused rather than read.
+MAX_FINGERPRINT_SAMPLES = 4096
+# Largest block size a v2 header may give (the data offset is a multiple of it).
+MAX_BLOCK_SIZE = 1 << 20
 
-def _read_exact(fd: int, offset: int, length: int, what: str, path: str) -> bytes:
+
+def _read_exact(fd: int, offset: int, length: int, what: str, path: str,
+                file_size: int) -> bytes:
+    """``length`` bytes at ``offset``, after checking the file holds them: nothing
+    is allocated or read for a part that lies past the end of the file."""
+    if offset + length > file_size:
+        raise InvalidDiff(f"{path} is truncated: its {what} ends at byte {offset + length} "
+                          f"but the file has only {file_size} bytes; copy the diff again")
     data = os.pread(fd, length, offset)
     if len(data) != length:
         raise InvalidDiff(f"{path} is truncated: its {what} ends at byte {offset + length} "
@@ -153,10 +168,21 @@ def _read_exact(fd: int, offset: int, length: int, what: str, path: str) -> byte
     return data
 
 
+def _check_size(path: str, what: str, value: int) -> None:
+    if value > MAX_FILE_SIZE:
+        raise InvalidDiff(f"{path} is corrupt: its {what} {value:#x} is larger than any "
+                          f"file can be (2^63-1 bytes)")
+
+
 def _check_ranges(path: str, offset: np.ndarray, length: np.ndarray, target_size: int) -> None:
+    """Ranges sorted, disjoint, without 64-bit overflow and within the target
+    (which is at most ``MAX_FILE_SIZE``, so every end is below 2^63)."""
     end = offset + length
-    if np.any(end < offset):
-        raise InvalidDiff(f"{path} is corrupt: a range overflows 64 bits")
+    wrapped = np.flatnonzero(end < offset)
+    if len(wrapped):
+        i = int(wrapped[0])
+        raise InvalidDiff(f"{path} is corrupt: range {i} (offset {int(offset[i]):#x}, length "
+                          f"{int(length[i]):#x}) overflows 64 bits")
     if len(offset) > 1:
         bad = np.flatnonzero(offset[1:] < end[:-1])
         if len(bad):
@@ -174,16 +200,17 @@ def read_header(fd: int, path: str | os.PathLike) -> DiffHeader:
     """Read and validate a diff's header and range table (v1 or v2).
 
     Checks magic, version, sizes, checksums of the header and table, order and
-    bounds of the ranges, and that the data region is all there. It does not
-    read the data itself.
+    bounds of the ranges, and that the data region is all there. Every count,
+    offset and length is checked against the file's size before anything is
+    allocated or read for it. It does not read the data itself.
     """
     path = os.fspath(path)
     file_size = os.fstat(fd).st_size
     magic = os.pread(fd, 8, 0)
     if magic == V1_MAGIC:
-        header = _read_v1(fd, path)
+        header = _read_v1(fd, path, file_size)
     elif magic == V2_MAGIC:
-        header = _read_v2(fd, path)
+        header = _read_v2(fd, path, file_size)
     elif len(magic) < 8:
         raise InvalidDiff(f"{path} is not a blockdiff file: it is only {len(magic)} bytes long")
     elif magic[:5] == b"BDIFF":
@@ -192,35 +219,48 @@ def read_header(fd: int, path: str | os.PathLike) -> DiffHeader:
                           f"upgrade blockdiff to read it")
     else:
         raise InvalidDiff(f"{path} is not a blockdiff file (wrong magic bytes {magic!r})")
-    end = header.data_offset + header.data_length
-    if end > file_size:
-        raise InvalidDiff(f"{path} is truncated: its data region ends at byte {end} but the "
-                          f"file has only {file_size} bytes; copy the diff again")
     return header
 
 
-def _read_v1(fd: int, path: str) -> DiffHeader:
+def _check_data_region(path: str, data_offset: int, data_length: int, file_size: int) -> None:
+    end = data_offset + data_length
+    if end > file_size:
+        raise InvalidDiff(f"{path} is truncated: its data region ends at byte {end} but the "
+                          f"file has only {file_size} bytes; copy the diff again")
+
+
+def _read_v1(fd: int, path: str, file_size: int) -> DiffHeader:
     magic, target_size, base_size, count = _V1_FIXED.unpack(
-        _read_exact(fd, 0, _V1_FIXED.size, "header", path))
-    if count > (os.fstat(fd).st_size // V1_RANGE.itemsize):
-        raise InvalidDiff(f"{path} is truncated or corrupt: it claims {count} ranges, more "
-                          f"than the file could hold")
+        _read_exact(fd, 0, _V1_FIXED.size, "header", path, file_size))
+    _check_size(path, "target size", target_size)
+    _check_size(path, "base size", base_size)
+    table_end = _V1_FIXED.size + count * V1_RANGE.itemsize
+    if table_end > file_size:
+        raise InvalidDiff(f"{path} is truncated or corrupt: it claims {count} ranges, whose "
+                          f"table would end at byte {table_end}, but the file has only "
+                          f"{file_size} bytes")
+    data_offset = _round_up(table_end, V1_ALIGN)
+    # The data region starts at data_offset: a file that ends before it is
+    # refused before its table is read.
+    _check_data_region(path, data_offset, 0, file_size)
     table = np.frombuffer(_read_exact(fd, _V1_FIXED.size, count * V1_RANGE.itemsize,
-                                      "range table", path), V1_RANGE)
+                                      "range table", path, file_size), V1_RANGE)
     offset = table["offset"].astype(np.uint64)
     length = table["length"].astype(np.uint64)
     _check_ranges(path, offset, length, target_size)
     ranges = RangeSet(offset, length, np.full(count, DATA, np.uint8))
     data_pos = layout_data(ranges, version=1)
+    # Disjoint ranges within the target: the sum cannot pass the target size.
+    data_length = data_region_length(ranges, data_pos, version=1)
+    _check_data_region(path, data_offset, data_length, file_size)
     return DiffHeader(
         version=1, target_size=target_size, base_size=base_size, has_base=True,
         ranges=ranges, data_pos=data_pos, crc=None,
-        data_offset=_round_up(_V1_FIXED.size + count * V1_RANGE.itemsize, V1_ALIGN),
-        data_length=data_region_length(ranges, data_pos, version=1))
+        data_offset=data_offset, data_length=data_length)
 
 
-def _read_v2(fd: int, path: str) -> DiffHeader:
-    fixed = _read_exact(fd, 0, V2_HEADER_SIZE, "header", path)
+def _read_v2(fd: int, path: str, file_size: int) -> DiffHeader:
+    fixed = _read_exact(fd, 0, V2_HEADER_SIZE, "header", path, file_size)
     (magic, major, minor, header_size, block_size, flags, target_size, base_size, count,
      table_offset, data_offset, data_length, fingerprint, samples, _reserved, base_id,
      target_id, _pad, table_crc, header_crc) = _V2_FIXED.unpack(fixed)
@@ -229,25 +269,51 @@ def _read_v2(fd: int, path: str) -> DiffHeader:
     if major != V2_VERSION:
         raise InvalidDiff(f"{path} is a v2 diff of format version {major}.{minor}; "
                           f"upgrade blockdiff to read it")
-    if (block_size < 512 or block_size & (block_size - 1) or header_size < V2_HEADER_SIZE
-            or table_offset < header_size or data_offset % block_size
-            or data_offset < table_offset + count * V2_RANGE.itemsize):
-        raise InvalidDiff(f"{path} is corrupt: its header describes an impossible layout")
-    table_bytes = _read_exact(fd, table_offset, count * V2_RANGE.itemsize, "range table", path)
+    impossible = f"{path} is corrupt: its header describes an impossible layout"
+    if block_size < 512 or block_size > MAX_BLOCK_SIZE or block_size & (block_size - 1):
+        raise InvalidDiff(f"{impossible} (block size {block_size}, not a power of two from "
+                          f"512 to {MAX_BLOCK_SIZE})")
+    if header_size < V2_HEADER_SIZE or table_offset < header_size:
+        raise InvalidDiff(f"{impossible} (header size {header_size}, range table at "
+                          f"{table_offset:#x})")
+    table_end = table_offset + count * V2_RANGE.itemsize
+    if data_offset % block_size or data_offset < table_end:
+        raise InvalidDiff(f"{impossible} (data offset {data_offset:#x} is not a multiple of "
+                          f"the block size {block_size} after a range table of {count} "
+                          f"ranges at {table_offset:#x})")
+    # The header is self-consistent; now all it describes must be in the file
+    # (the table ends before the data offset, so this bounds the table too).
+    if table_end > file_size:
+        raise InvalidDiff(f"{path} is truncated or corrupt: it claims {count} ranges, whose "
+                          f"table would end at byte {table_end}, but the file has only "
+                          f"{file_size} bytes")
+    _check_data_region(path, data_offset, data_length, file_size)
+    _check_size(path, "target size", target_size)
+    _check_size(path, "base size", base_size)
+    if samples > MAX_FINGERPRINT_SAMPLES:
+        raise InvalidDiff(f"{path} is corrupt: its base fingerprint samples {samples} blocks, "
+                          f"more than the {MAX_FINGERPRINT_SAMPLES} a reader accepts")
+    table_bytes = _read_exact(fd, table_offset, count * V2_RANGE.itemsize, "range table",
+                              path, file_size)
     if native.crc32c(table_bytes) != table_crc:
         raise ChecksumMismatch(f"{path} is corrupt: its range table checksum does not match")
     table = np.frombuffer(table_bytes, V2_RANGE)
     offset = table["offset"].astype(np.uint64)
     length = table["length"].astype(np.uint64)
     kind = table["kind"]
-    if np.any(kind > ZERO):
-        raise InvalidDiff(f"{path} is corrupt: a range has an unknown kind")
+    unknown = np.flatnonzero(kind > ZERO)
+    if len(unknown):
+        i = int(unknown[0])
+        raise InvalidDiff(f"{path} is corrupt: range {i} has an unknown kind {int(kind[i])}")
     _check_ranges(path, offset, length, target_size)
     data_pos = table["data_pos"].astype(np.uint64)
     is_data = kind == DATA
     pos, lens = data_pos[is_data], length[is_data]
-    if (np.any(pos % np.uint64(block_size)) or np.any(pos + lens > np.uint64(data_length))
-            or np.any(pos + lens < pos) or np.any(pos[1:] < pos[:-1] + lens[:-1])):
+    # data_length < 2^63 (it is within the file): compared without wrapping.
+    region = np.uint64(data_length)
+    outside = (pos > region) | (lens > region - np.minimum(pos, region))
+    if (np.any(pos % np.uint64(block_size)) or np.any(outside)
+            or np.any(pos[1:] < pos[:-1] + lens[:-1])):
         raise InvalidDiff(f"{path} is corrupt: range data positions overlap or fall outside "
                           f"the data region")
     return DiffHeader(
@@ -258,4 +324,3 @@ def _read_v2(fd: int, path: str) -> DiffHeader:
         data_offset=data_offset, data_length=data_length, block_size=block_size,
         base_fingerprint=fingerprint, fingerprint_samples=samples,
         base_id=base_id, target_id=target_id)
-
