@@ -133,6 +133,20 @@ class UnknownCheckpoint(AgentError):
     pass
 
 
+def _unknown_thread(thread_id: str, root) -> UnknownThread:
+    """The one error every command given a thread that is not there raises."""
+    return UnknownThread(f"no thread {thread_id!r} in {root}; list them with: "
+                         f"blockdiff agent threads --store {root}")
+
+
+def _unknown_checkpoint(checkpoint_id: str, where: str,
+                        thread_id: str | None = None) -> UnknownCheckpoint:
+    listing = (f"blockdiff agent history {thread_id}" if thread_id
+               else "blockdiff agent history THREAD (threads: blockdiff agent threads)")
+    return UnknownCheckpoint(f"no checkpoint {checkpoint_id!r} {where}; see a thread's with: "
+                             f"{listing}")
+
+
 class ThreadBusy(AgentError):
     """The thread is being run by another process."""
 
@@ -331,8 +345,7 @@ class AgentDB:
         row = self.db.execute("SELECT id, created, head, status, owner, disk, forked_from "
                               "FROM threads WHERE id = ?", (thread_id,)).fetchone()
         if row is None:
-            raise UnknownThread(f"no thread {thread_id!r} in {self.store.root}; list them with: "
-                                f"blockdiff agent threads")
+            raise _unknown_thread(thread_id, self.store.root)
         return ThreadInfo(*row)
 
     def threads(self) -> list[ThreadInfo]:
@@ -347,11 +360,12 @@ class AgentDB:
     def _checkpoint(self, row) -> Checkpoint:
         return Checkpoint(*row[:9], json.loads(row[9]), row[10])
 
-    def checkpoint(self, checkpoint_id: str) -> Checkpoint:
+    def checkpoint(self, checkpoint_id: str, thread_id: str | None = None) -> Checkpoint:
+        """The checkpoint ``checkpoint_id`` (``thread_id``, if given, only
+        names the thread whose history the error points to)."""
         row = self.db.execute(self._CP + " WHERE id = ?", (checkpoint_id,)).fetchone()
         if row is None:
-            raise UnknownCheckpoint(f"no checkpoint {checkpoint_id!r} in {self.store.root}; see "
-                                    f"a thread's with: blockdiff agent history THREAD")
+            raise _unknown_checkpoint(checkpoint_id, f"in {self.store.root}", thread_id)
         return self._checkpoint(row)
 
     def contents(self, checkpoint_id: str) -> tuple[bytes, bytes]:
@@ -406,6 +420,7 @@ class AgentDB:
         return render_tree(nodes)
 
     def all_checkpoints(self, thread_id: str) -> list[Checkpoint]:
+        self.thread(thread_id)
         return [self._checkpoint(r) for r in self.db.execute(
             self._CP + " WHERE thread = ? ORDER BY seq", (thread_id,))]
 
@@ -414,6 +429,7 @@ class AgentDB:
           "compensable, external, error FROM journal")
 
     def journal(self, thread_id: str) -> list[JournalEntry]:
+        self.thread(thread_id)
         return [JournalEntry(*r[:8], bool(r[8]), bool(r[9]), r[10]) for r in self.db.execute(
             self._J + " WHERE thread = ? ORDER BY seq", (thread_id,))]
 
@@ -434,6 +450,7 @@ class AgentDB:
                  "FROM approvals")
         where, args = [], []
         if thread_id is not None:
+            self.thread(thread_id)
             where.append("thread = ?")
             args.append(thread_id)
         if pending_only:
@@ -578,7 +595,7 @@ class Agent:
                              (self.thread_id,)).fetchone()
             if row is None:
                 if not create:
-                    raise UnknownThread(f"no thread {self.thread_id!r} in {self.store.root}")
+                    raise _unknown_thread(self.thread_id, self.store.root)
                 self._status_at_open = "new"
                 db.execute("INSERT INTO threads (id, created, status, owner, lease_until, disk) "
                            "VALUES (?, ?, 'running', ?, ?, ?)",
@@ -841,8 +858,8 @@ class Agent:
             path.append(cursor)
             cursor = self.db.checkpoint(cursor).parent
         if cursor != checkpoint_id:
-            raise UnknownCheckpoint(f"checkpoint {checkpoint_id} is not an ancestor of thread "
-                                    f"{self.thread_id}'s head")
+            raise _unknown_checkpoint(checkpoint_id, f"among the ancestors of thread "
+                                      f"{self.thread_id!r}'s head", self.thread_id)
         bases = path + [checkpoint_id]
         marks = ",".join("?" * len(bases))
         return [r[0] for r in self.db.db.execute(
@@ -927,11 +944,11 @@ class Agent:
         get request ids of their own, not those of the undone ones)."""
         if self._step is not None:
             raise AgentError("rewind between steps, not inside one")
-        target = self.db.checkpoint(checkpoint_id)
+        target = self.db.checkpoint(checkpoint_id, self.thread_id)
         if target.thread != self.thread_id and checkpoint_id not in {
                 c.id for c in self.db.history(self.thread_id)}:
-            raise UnknownCheckpoint(f"checkpoint {checkpoint_id} is not in thread "
-                                    f"{self.thread_id}'s history")
+            raise _unknown_checkpoint(checkpoint_id, f"in thread {self.thread_id!r}'s history",
+                                      self.thread_id)
         # One transaction marks what to undo and makes the rewound node the
         # head: a process dying anywhere after it resumes at the rewound state
         # (the disk follows the head on open) and finishes the compensations.
@@ -1047,10 +1064,10 @@ def fork_thread(store: Store, thread_id: str, checkpoint_id: str, new_thread: st
     db = AgentDB(store)
     try:
         source = db.thread(thread_id)
-        target = db.checkpoint(checkpoint_id)
+        target = db.checkpoint(checkpoint_id, thread_id)
         if checkpoint_id not in {c.id for c in db.history(thread_id)} and (
                 target.thread != thread_id):
-            raise UnknownCheckpoint(f"checkpoint {checkpoint_id} is not in thread {thread_id}")
+            raise _unknown_checkpoint(checkpoint_id, f"in thread {thread_id!r}", thread_id)
         with contextlib.suppress(UnknownThread):
             db.thread(new_thread)
             raise AgentError(f"thread {new_thread} already exists")

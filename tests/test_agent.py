@@ -488,3 +488,42 @@ def test_a_negative_or_endless_ttl_is_refused(setup, ttl):
     with pytest.raises(UsageError, match="ttl"):
         Agent(store, "t", ttl=ttl)
     assert AgentDB(store).threads() == []   # refused before the thread was made
+
+
+def test_every_command_given_an_unknown_thread_or_checkpoint_fails_alike(setup):
+    store, _, _ = setup
+    with Agent(store, "t") as a:
+        a.checkpoint("first")
+        head = a.head
+    db = AgentDB(store)
+    for call in (lambda: db.journal("nope"), lambda: db.history("nope"),
+                 lambda: db.approvals("nope"), lambda: db.all_checkpoints("nope"),
+                 lambda: db.decide("nope", "approved")):
+        with pytest.raises(UnknownThread, match="no thread 'nope'.*blockdiff agent threads"):
+            call()
+    db.close()
+
+    def agent_cli(*args):
+        return subprocess.run([sys.executable, "-m", "blockdiff", "agent", *args, "--store",
+                               str(store.root)], capture_output=True, text=True)
+
+    for args in (["journal", "nope"], ["history", "nope"], ["approve", "nope"],
+                 ["reject", "nope"], ["rewind", "nope", head], ["fork", "nope", head, "n"],
+                 ["journal", "nope", "--json"], ["history", "nope", "--json"]):
+        done = agent_cli(*args)
+        assert done.returncode == UnknownThread.exit_code == 10, (args, done.stderr)
+        assert done.stdout == ""
+        lines = done.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("blockdiff: error: no thread 'nope'")
+        assert "blockdiff agent threads" in lines[0], lines
+    for args, names in ((["show", "0123456789abcdef"], "history THREAD"),
+                        (["show", "0123456789abcdef", "--json"], "history THREAD"),
+                        (["rewind", "t", "0123456789abcdef"], "history t"),
+                        (["fork", "t", "0123456789abcdef", "n"], "history t")):
+        done = agent_cli(*args)
+        assert done.returncode == UnknownCheckpoint.exit_code == 10, (args, done.stderr)
+        lines = done.stderr.splitlines()
+        assert len(lines) == 1, lines
+        assert lines[0].startswith("blockdiff: error: no checkpoint '0123456789abcdef'")
+        assert f"blockdiff agent {names}" in lines[0], lines
+    assert [t.id for t in AgentDB(store).threads()] == ["t"]   # nothing was made
