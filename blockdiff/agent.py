@@ -37,7 +37,7 @@ from blockdiff.catalog import immediate_transaction
 from blockdiff.disks import Disk, ImageDisk
 from blockdiff.errors import BlockdiffError, UsageError
 from blockdiff.retention import check_duration
-from blockdiff.sealing import Codec
+from blockdiff.sealing import Codec, create_private
 from blockdiff.store import Store, open_store
 
 DB_NAME = "agent.sqlite"
@@ -314,7 +314,9 @@ class AgentDB:
 
     def __init__(self, store: Store):
         self.store = store
-        self.db = sqlite3.connect(store.root / DB_NAME, timeout=60, isolation_level=None,
+        path = store.root / DB_NAME
+        create_private(path, getattr(store, "file_mode", 0o600))
+        self.db = sqlite3.connect(path, timeout=60, isolation_level=None,
                                   check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         # FULL: a journal intent must be on disk before the tool runs.

@@ -71,6 +71,7 @@ from langgraph.checkpoint.base import (
 )
 
 from blockdiff.errors import BlockdiffError
+from blockdiff.sealing import create_private
 from blockdiff.store import Store
 
 DB_NAME = "langgraph.sqlite"
@@ -176,11 +177,14 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
         super().__init__(serde=serde)
         if isinstance(store, Store):
             self.root = Path(store.root)
+            mode = getattr(store, "file_mode", 0o600)
         else:
             with Store(store) as opened:   # refuses a directory that is no store
                 self.root = Path(opened.root)
+                mode = getattr(opened, "file_mode", 0o600)
         self.disk = disk
         self.path = self.root / DB_NAME
+        create_private(self.path, mode)
         # One connection shared by LangGraph's worker threads, used under a lock:
         # a connection per thread would outlive pool threads and hold the file open.
         self._lock = threading.RLock()

@@ -32,6 +32,18 @@ class SealingError(BlockdiffError):
     exit_code = 10
 
 
+def create_private(path: str | os.PathLike, mode: int = 0o600) -> None:
+    """Make an empty ``path`` with ``mode`` (less the umask) unless it exists.
+    SQLite makes a new database 0644 and gives its -wal and -shm files the
+    database's own mode, so a database file made here first stays private,
+    and all that goes with it. An existing file keeps its mode."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, mode)
+    except FileExistsError:
+        return
+    os.close(fd)
+
+
 def parse_key(text: str | bytes) -> bytes:
     """32 key bytes from raw bytes, 64 hex digits or base64."""
     if isinstance(text, bytes) and len(text) == 32:

@@ -527,3 +527,44 @@ def test_every_command_given_an_unknown_thread_or_checkpoint_fails_alike(setup):
         assert lines[0].startswith("blockdiff: error: no checkpoint '0123456789abcdef'")
         assert f"blockdiff agent {names}" in lines[0], lines
     assert [t.id for t in AgentDB(store).threads()] == ["t"]   # nothing was made
+
+
+def _umask(mask: int):
+    import contextlib
+
+    @contextlib.contextmanager
+    def scope():
+        old = os.umask(mask)
+        try:
+            yield
+        finally:
+            os.umask(old)
+    return scope()
+
+
+def test_a_new_agent_database_is_private(setup):
+    store, _, _ = setup
+    path = store.root / agent_module.DB_NAME
+    with _umask(0o022):
+        with Agent(store, "t", key=new_key()) as a:
+            a.state["x"] = 1
+            a.checkpoint("one")
+            files = [path] + [p for p in (path.with_name(path.name + "-wal"),
+                                          path.with_name(path.name + "-shm")) if p.exists()]
+            assert len(files) == 3       # open in WAL mode: its -wal and -shm exist now
+            for p in files:
+                assert os.stat(p).st_mode & 0o777 == 0o600, p
+    # The store's file mode, when it has one, and a file that exists keeps its own.
+    os.unlink(path)
+    for p in (path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        p.unlink(missing_ok=True)
+    with _umask(0o022):
+        store.file_mode = 0o640
+        try:
+            AgentDB(store).close()
+        finally:
+            del store.file_mode
+        assert os.stat(path).st_mode & 0o777 == 0o640
+        os.chmod(path, 0o644)
+        AgentDB(store).close()
+        assert os.stat(path).st_mode & 0o777 == 0o644

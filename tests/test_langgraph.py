@@ -743,3 +743,16 @@ def test_store_path_and_schema(rig, xfs):
         BlockdiffSaver(rig.store)
     with pytest.raises(StoreError, match="not a blockdiff store"):
         BlockdiffSaver(xfs / "elsewhere")
+
+
+def test_a_new_checkpoint_database_is_private(rig):
+    old = os.umask(0o022)
+    try:
+        saver = rig.saver(rig.disk())
+        build(rig, saver).invoke({"log": []}, cfg("t1"))
+        files = [saver.path.with_name(saver.path.name + suffix) for suffix in ("", "-wal",
+                                                                              "-shm")]
+        for path in files:
+            assert path.exists() and os.stat(path).st_mode & 0o777 == 0o600, path
+    finally:
+        os.umask(old)
