@@ -2,13 +2,16 @@
 
 Every change is one transaction (``BEGIN IMMEDIATE``, so concurrent writers
 queue on SQLite's lock instead of failing half-way). The schema version is
-the highest applied migration; opening a store applies the missing ones.
+the highest applied migration; opening a store applies the missing ones and
+refuses a catalog that is empty, damaged, or from a newer blockdiff.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -45,7 +48,33 @@ MIGRATIONS = [
     ALTER TABLE snapshots ADD COLUMN map_base INTEGER REFERENCES snapshots(seq);
     CREATE INDEX snapshots_map_base ON snapshots(map_base);
     """,
+    # 3: a row for every layer file: the CRC32C of each chunk of its data
+    # (kept while any snapshot uses the layer, whoever owned it), where a
+    # compaction layer's bytes came from, and when it was last checked whole.
+    # ``refs`` is the number of layer_refs rows a snapshot must have, so that
+    # lost references are noticed before a layer still in use is deleted;
+    # ``retired_ids`` keeps removed ids from coming back with other content.
+    """
+    CREATE TABLE layers (
+        layer INTEGER PRIMARY KEY,
+        chunks BLOB NOT NULL,
+        origin BLOB,
+        checked REAL NOT NULL DEFAULT 0,
+        stat TEXT NOT NULL DEFAULT ''
+    );
+    ALTER TABLE snapshots ADD COLUMN refs INTEGER;
+    UPDATE snapshots SET refs = (SELECT COUNT(*) FROM layer_refs WHERE snapshot = seq);
+    CREATE TABLE retired_ids (id TEXT PRIMARY KEY, removed REAL NOT NULL);
+    """,
 ]
+
+
+class CatalogDamaged(Exception):
+    """The catalog file is not a usable store catalog (raised with the reason)."""
+
+
+class CatalogTooNew(Exception):
+    """The catalog was written by a newer blockdiff (raised with its version)."""
 
 
 @contextlib.contextmanager
@@ -55,10 +84,13 @@ def immediate_transaction(db: sqlite3.Connection):
     db.execute("BEGIN IMMEDIATE")
     try:
         yield db
+        db.execute("COMMIT")
     except BaseException:
-        db.execute("ROLLBACK")
+        # Also after a failed COMMIT (a full disk), which can leave the
+        # transaction open.
+        if db.in_transaction:
+            db.execute("ROLLBACK")
         raise
-    db.execute("COMMIT")
 
 
 @dataclass
@@ -79,6 +111,17 @@ class Snapshot:
     map_base: str | None = None   # the snapshot whose map this one's is a delta on
 
 
+@dataclass
+class LayerRecord:
+    """What the catalog keeps about one layer file."""
+
+    layer: int
+    chunks: bytes            # CHUNK_DTYPE records, sorted by position
+    origin: bytes | None = None   # compaction layer: the pieces it copies (see store)
+    checked: float = 0.0     # when every chunk last matched its checksum
+    stat: str = ""           # the file's identity at that time
+
+
 _SELECT = """
     SELECT s.seq, s.id, p.id, s.created, s.message, s.meta, s.size, s.changed_bytes,
            s.ranges, s.expires, s.map_sha256, b.id
@@ -94,16 +137,43 @@ def _row(row) -> Snapshot:
 class Catalog:
     """A connection to a store's catalog."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, *, create: bool = False, mode: int = 0o600):
+        """Open a catalog; ``create`` makes a new one (with file ``mode``),
+        otherwise the file must hold a catalog already (``CatalogDamaged``)."""
+        if create:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode))
+        elif os.stat(path).st_size == 0:
+            # SQLite takes an empty file for an empty database: a truncated
+            # catalog would pass for a store without snapshots.
+            raise CatalogDamaged("the file is empty")
         # Usable from any thread (a LangGraph checkpointer commits from its
         # workers); the lock keeps one thread's transaction whole.
         self.db = sqlite3.connect(path, timeout=60, isolation_level=None,
                                   check_same_thread=False)
         self._lock = threading.RLock()
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=FULL")
-        self.db.execute("PRAGMA foreign_keys=ON")
-        self._migrate()
+        try:
+            try:
+                self.db.execute("PRAGMA journal_mode=WAL")
+                self.db.execute("PRAGMA synchronous=FULL")
+                self.db.execute("PRAGMA foreign_keys=ON")
+                if not create:
+                    tables = {name for (name,) in self.db.execute(
+                        "SELECT name FROM sqlite_master WHERE type = 'table'")}
+                    missing = {"schema_migrations", "store", "snapshots", "layer_refs"} - tables
+                    if missing:
+                        raise CatalogDamaged(f"it has no {', '.join(sorted(missing))} table")
+                    if self.schema_version > len(MIGRATIONS):
+                        raise CatalogTooNew(self.schema_version)
+                self._migrate()
+            except sqlite3.DatabaseError as e:
+                if _out_of_space(path):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path) from None
+                if isinstance(e, sqlite3.OperationalError) and "locked" in str(e):
+                    raise
+                raise CatalogDamaged(str(e)) from None
+        except BaseException:
+            self.db.close()
+            raise
 
     def close(self) -> None:
         self.db.close()
@@ -160,9 +230,9 @@ class Catalog:
             + " ORDER BY s.seq DESC", (snapshot_id,))
         return [_row(r) for r in rows]
 
-    def add(self, db, snapshot: Snapshot, layers) -> int:
-        """Insert a snapshot, and the layers its pieces use, inside an open
-        transaction; returns its seq."""
+    def add(self, db, snapshot: Snapshot, layers, new_layer: LayerRecord | None = None) -> int:
+        """Insert a snapshot, the layers its pieces use and the record of the
+        layer it wrote, inside an open transaction; returns its seq."""
         def seq_of(snapshot_id):
             if snapshot_id is None:
                 return None
@@ -171,40 +241,108 @@ class Catalog:
                 raise sqlite3.IntegrityError(f"snapshot {snapshot_id} was removed meanwhile")
             return row[0]
 
+        if new_layer is not None:
+            self.add_layer(db, new_layer)
+        layers = sorted({int(layer) for layer in layers})
         cur = db.execute(
             "INSERT INTO snapshots (id, parent, created, message, meta, size, changed_bytes, "
-            "ranges, expires, map_sha256, map_base) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            "ranges, expires, map_sha256, map_base, refs) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
             (snapshot.id, seq_of(snapshot.parent), snapshot.created, snapshot.message,
              json.dumps(snapshot.meta, sort_keys=True), snapshot.size, snapshot.changed_bytes,
              snapshot.ranges, snapshot.expires, snapshot.map_sha256,
-             seq_of(snapshot.map_base)))
+             seq_of(snapshot.map_base), len(layers)))
         db.executemany("INSERT INTO layer_refs VALUES (?, ?)",
-                       [(cur.lastrowid, int(layer)) for layer in layers])
+                       [(cur.lastrowid, layer) for layer in layers])
         return cur.lastrowid
 
-    def remove(self, db, snapshot: Snapshot) -> list[int]:
+    def add_layer(self, db, record: LayerRecord) -> None:
+        """Record a new layer file inside an open transaction."""
+        db.execute("INSERT INTO layers (layer, chunks, origin, checked, stat) "
+                   "VALUES (?, ?, ?, ?, ?)",
+                   (record.layer, record.chunks, record.origin, record.checked, record.stat))
+
+    def layer(self, layer: int) -> LayerRecord | None:
+        """The record of one layer, or None."""
+        row = self.db.execute("SELECT layer, chunks, origin, checked, stat FROM layers "
+                              "WHERE layer = ?", (int(layer),)).fetchone()
+        return LayerRecord(*row) if row else None
+
+    def unrecorded_layers(self) -> set[int]:
+        """Layers some snapshot uses that have no record (stores made before records)."""
+        return {layer for (layer,) in self.db.execute(
+            "SELECT DISTINCT layer FROM layer_refs WHERE layer NOT IN (SELECT layer FROM layers)")}
+
+    def layer_ids(self) -> set[int]:
+        """Every layer the catalog has a record of."""
+        return {layer for (layer,) in self.db.execute("SELECT layer FROM layers")}
+
+    def mark_checked(self, layer: int, checked: float, stat: str) -> None:
+        """Note that every chunk of a layer matched at ``checked``, its file
+        being ``stat``. Best effort: unrecorded, the layer is checked again
+        next time (on a full disk, say)."""
+        with contextlib.suppress(sqlite3.Error), self.transaction() as db:
+            db.execute("UPDATE layers SET checked = ?, stat = ? WHERE layer = ?",
+                       (checked, stat, int(layer)))
+
+    def layers_of(self, snapshot: Snapshot) -> set[int]:
+        """The layers the catalog says a snapshot's pieces use."""
+        return {layer for (layer,) in self.db.execute(
+            "SELECT layer FROM layer_refs WHERE snapshot = ?", (snapshot.seq,))}
+
+    def lost_references(self, db=None) -> list[str]:
+        """Snapshots whose layer references do not number what was recorded,
+        or name a layer without a record."""
+        db = db or self.db
+        short = [sid for (sid,) in db.execute("""
+            SELECT s.id FROM snapshots s
+            LEFT JOIN (SELECT snapshot, COUNT(*) AS n FROM layer_refs GROUP BY snapshot) r
+                ON r.snapshot = s.seq
+            WHERE s.refs IS NOT NULL AND COALESCE(r.n, 0) != s.refs""")]
+        unknown = [sid for (sid,) in db.execute("""
+            SELECT DISTINCT s.id FROM layer_refs r JOIN snapshots s ON s.seq = r.snapshot
+            WHERE NOT EXISTS (SELECT 1 FROM layers l WHERE l.layer = r.layer)""")]
+        return sorted(set(short) | set(unknown))
+
+    def retire(self, db, snapshot_id: str) -> None:
+        """Remember that an id was removed, inside an open transaction."""
+        db.execute("INSERT OR REPLACE INTO retired_ids VALUES (?, ?)", (snapshot_id, time.time()))
+
+    def retired(self, snapshot_id: str) -> bool:
+        """Whether a snapshot with this id was removed from this store."""
+        return self.db.execute("SELECT 1 FROM retired_ids WHERE id = ?",
+                               (snapshot_id,)).fetchone() is not None
+
+    def remove(self, db, snapshot: Snapshot, own_layer: int) -> list[int]:
         """Delete a snapshot inside an open transaction, handing its children to
-        its parent. Returns the layers no remaining snapshot uses."""
-        used = [layer for (layer,) in db.execute(
-            "SELECT layer FROM layer_refs WHERE snapshot = ?", (snapshot.seq,))]
+        its parent, and the records of the layers no remaining snapshot uses
+        (its own included). Returns those layers."""
+        used = {layer for (layer,) in db.execute(
+            "SELECT layer FROM layer_refs WHERE snapshot = ?", (snapshot.seq,))}
         db.execute("UPDATE snapshots SET parent = (SELECT parent FROM snapshots WHERE seq = ?) "
                    "WHERE parent = ?", (snapshot.seq, snapshot.seq))
         db.execute("DELETE FROM snapshots WHERE seq = ?", (snapshot.seq,))
-        return [layer for layer in used if db.execute(
+        self.retire(db, snapshot.id)
+        return self._drop_unused(db, used | {int(own_layer)})
+
+    def _drop_unused(self, db, layers) -> list[int]:
+        unused = [layer for layer in sorted(layers) if db.execute(
             "SELECT 1 FROM layer_refs WHERE layer = ? LIMIT 1", (layer,)).fetchone() is None]
+        db.executemany("DELETE FROM layers WHERE layer = ?", [(layer,) for layer in unused])
+        return unused
 
     def replace_map(self, db, snapshot: Snapshot, digest: str, layers) -> list[int]:
         """Point a snapshot at a rewritten map that uses ``layers``, inside an
-        open transaction. Returns the layers no snapshot uses any more."""
-        before = [layer for (layer,) in db.execute(
-            "SELECT layer FROM layer_refs WHERE snapshot = ?", (snapshot.seq,))]
-        db.execute("UPDATE snapshots SET map_sha256 = ?, map_base = NULL WHERE seq = ?",
-                   (digest, snapshot.seq))
+        open transaction. Drops the records of the layers no snapshot uses any
+        more and returns them."""
+        before = {layer for (layer,) in db.execute(
+            "SELECT layer FROM layer_refs WHERE snapshot = ?", (snapshot.seq,))}
+        layers = sorted({int(layer) for layer in layers})
+        db.execute("UPDATE snapshots SET map_sha256 = ?, map_base = NULL, refs = ? WHERE seq = ?",
+                   (digest, len(layers), snapshot.seq))
         db.execute("DELETE FROM layer_refs WHERE snapshot = ?", (snapshot.seq,))
         db.executemany("INSERT INTO layer_refs VALUES (?, ?)",
-                       [(snapshot.seq, int(layer)) for layer in layers])
-        return [layer for layer in before if db.execute(
-            "SELECT 1 FROM layer_refs WHERE layer = ? LIMIT 1", (layer,)).fetchone() is None]
+                       [(snapshot.seq, layer) for layer in layers])
+        return self._drop_unused(db, before)
 
     def map_dependents(self, snapshot_id: str, db=None) -> list[Snapshot]:
         """The snapshots whose maps are deltas on this one's."""
@@ -223,6 +361,16 @@ class Catalog:
         """Every layer some snapshot's pieces use."""
         return {layer for (layer,) in self.db.execute("SELECT DISTINCT layer FROM layer_refs")}
 
+    def store_problems(self) -> list[str]:
+        """What makes the catalog unusable as a store's: no store id, a mode
+        it does not know."""
+        problems = []
+        if not self.setting("store_id"):
+            problems.append("it has no store id")
+        if self.setting("mode") not in ("reflink", "copy"):
+            problems.append(f"it has an unknown mode {self.setting('mode')!r}")
+        return problems
+
     def integrity_problems(self) -> list[str]:
         """What SQLite's own integrity and foreign-key checks report."""
         problems = [row[0] for row in self.db.execute("PRAGMA integrity_check")
@@ -230,3 +378,12 @@ class Catalog:
         problems += [f"dangling reference in {row[0]}"
                      for row in self.db.execute("PRAGMA foreign_key_check")]
         return problems
+
+
+def _out_of_space(path: str) -> bool:
+    """Whether the filesystem holding ``path`` has no room for SQLite's files."""
+    try:
+        st = os.statvfs(os.path.dirname(os.path.abspath(path)))
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < 64 * 1024

@@ -272,9 +272,13 @@ _WRITTEN_HELP = ("Ranges written to IMAGE since it was last committed or restore
 @click.option("--allow-copy", is_flag=True,
               help="On a filesystem without reflink, copy data instead (slow: every commit "
                    "reads the image and its parent in full).")
+@click.option("--group", metavar="GROUP",
+              help="Let this group read the store too (it is private to its owner otherwise).")
 @reports_errors
-def init(directory, allow_copy):
+def init(directory, allow_copy, group):
     """Make a snapshot store in DIRECTORY (on XFS with reflink, or btrfs).
+
+    The store is readable by its owner only, unless --group is given.
 
     \b
     Example:
@@ -282,7 +286,7 @@ def init(directory, allow_copy):
     """
     from blockdiff.store import Store
 
-    Store.init(directory, allow_copy=allow_copy).close()
+    Store.init(directory, allow_copy=allow_copy, group=group).close()
     click.echo(f"initialised store {directory}")
 
 
@@ -522,13 +526,19 @@ def export(store_path, snapshot_id, out, since):
 def import_command(store_path, path):
     """Recreate the snapshot an export FILE holds; print its id.
 
+    The file is read and checked whole; a snapshot the store has already is
+    skipped, and says so on stderr.
+
     \b
     Example:
       blockdiff import --store S step7.bdx
     """
     with _open_store(store_path) as store:
-        for snapshot_id in store.import_(path):
-            click.echo(snapshot_id)
+        result = store.import_(path)
+    if result.skipped:
+        click.echo(f"skipped: {result.skipped} (the export checks out)", err=True)
+    for snapshot_id in result.ids:
+        click.echo(snapshot_id)
 
 
 @main.command()

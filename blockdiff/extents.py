@@ -467,3 +467,40 @@ def remap(base: ExtentMap, starts: np.ndarray, ends: np.ndarray, fresh: tuple,
     current = ExtentMap(*_merge_sorted(outside, fresh),
                         size=base.size if size is None else size)
     return current, (ExtentMap(*fresh, size=base.size), ExtentMap(*inside, size=base.size))
+
+
+def differing_pieces(a: PieceTable, b: PieceTable) -> RangeSet:
+    """The ranges of ``b`` whose bytes are not the same run as ``a``'s there.
+
+    Two pieces hold the same bytes when they are the same run of one layer
+    (equal layer and equal ``pos - offset``). DATA where ``b`` has a piece,
+    ZERO where only ``a`` has one; past ``a``'s end only ``b``'s pieces count
+    (bytes past an end read as nothing, then as zeros once the size is set).
+    """
+    size = _U64(b.size)
+    a_end, b_end = a.offset + a.length, b.offset + b.length
+    points = _boundaries((a.offset, a_end), (b.offset, b_end),
+                         (np.zeros(1, _U64), np.full(1, size, _U64)))
+    points = points[points <= size]
+    seg_start, seg_end = points[:-1], points[1:]
+    ai, a_in = _locate(a.offset, a_end, seg_start)
+    bi, b_in = _locate(b.offset, b_end, seg_start)
+    a_in &= seg_start < _U64(a.size)
+
+    def identity(table, index):
+        if not len(table):
+            return np.zeros(len(index), np.int64), np.zeros(len(index), _U64)
+        # pos - offset wraps modulo 2**64, which keeps equality exact.
+        return table.layer[index], table.pos[index] - table.offset[index]
+
+    (a_layer, a_shift), (b_layer, b_shift) = identity(a, ai), identity(b, bi)
+    same = (a_in == b_in) & (~a_in | ((a_layer == b_layer) & (a_shift == b_shift)))
+    differ = ~same
+    kind = np.where(b_in, np.uint8(DATA), np.uint8(ZERO))[differ]
+    start, end = seg_start[differ], seg_end[differ]
+    if len(start) > 1:   # merge touching ranges of one kind
+        joins = (end[:-1] == start[1:]) & (kind[:-1] == kind[1:])
+        first = np.flatnonzero(np.concatenate(([True], ~joins)))
+        last = np.append(first[1:], len(start)) - 1
+        start, end, kind = start[first], end[last], kind[first]
+    return RangeSet(start, end - start, kind)
