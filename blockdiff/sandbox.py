@@ -113,8 +113,11 @@ class Sandbox:
         if not NAME.fullmatch(name or ""):
             raise UsageError(f"bad VM name {name!r}: use letters, digits, '.', '_' and '-'")
         self.name = name
-        # Absolute: QEMU, daemonized, reopens the disk from another directory.
-        self.directory = (self.store.root / "vms" / name).absolute()
+        # Absolute, whatever the store was opened as: QEMU starts in the VM's
+        # directory and daemonizes, so it must be given no path relative to
+        # this process's working directory (a relative --store).
+        self.root = Path(os.path.abspath(self.store.root))
+        self.directory = self.root / "vms" / name
         if not (self.directory / "vm.json").is_file():
             raise UnknownVM(f"no VM named {name} in {self.store.root}; list them with: "
                             f"blockdiff vm ls")
@@ -293,7 +296,7 @@ class Sandbox:
                 self._boot(timeout)
 
     def _boot(self, timeout: float) -> None:
-        kernel_dir = self.store.root / "vms" / ".kernels" / self.config["kernel"]
+        kernel_dir = self.root / "vms" / ".kernels" / self.config["kernel"]
         if not all((kernel_dir / f).is_file() for f in KERNEL_FILES):
             raise VMError(f"the kernel of VM {self.name} is missing from {kernel_dir}; "
                           f"recreate the VM with --kernel DIR")
@@ -552,7 +555,7 @@ class Sandbox:
              timeout: float = DEFAULT_BOOT_TIMEOUT) -> "Sandbox":
         """A new VM, like this one, whose disk is a fork of ``snapshot_id``."""
         other = Sandbox.create(self.store, new_name, snapshot=snapshot_id,
-                               kernel=self.store.root / "vms" / ".kernels" / self.config["kernel"],
+                               kernel=self.root / "vms" / ".kernels" / self.config["kernel"],
                                memory_mb=self.config["memory_mb"], cpus=self.config["cpus"])
         if start:
             other.start(timeout=timeout)

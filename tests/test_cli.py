@@ -335,3 +335,63 @@ def test_retention_policy_refuses_negative_and_endless_values(policy):
     with pytest.raises(UsageError):
         Policy(**policy)
     assert Policy(keep_last=0, keep_within=0).keep_within == 0
+
+
+# ------------------------------------------------------------ sandbox VMs
+
+_RECORD_LAUNCH = """
+import json, sys
+from blockdiff import qemu
+from blockdiff.cli import main
+
+def start(launch):
+    argv = launch.argv("qemu-system-x86_64")
+    print(json.dumps({"argv": argv, "directory": str(launch.directory)}))
+    raise qemu.VMError("recorded instead of started")
+
+qemu.Launch.start = start
+main(sys.argv[1:])
+"""
+
+
+def test_vm_start_with_a_relative_store_gives_qemu_absolute_paths(xfs):
+    """QEMU runs in the VM's directory and daemonizes: a relative --store must
+    not reach its command line as a relative path (the kernel went missing)."""
+    from blockdiff.sandbox import Sandbox
+    from blockdiff.store import Store
+
+    kernel = xfs / "kernel"
+    kernel.mkdir()
+    (kernel / "vmlinuz").write_bytes(b"not really a kernel")
+    (kernel / "initrd.img").write_bytes(b"not really an initramfs")
+    image = xfs / "rootfs.img"
+    image.write_bytes(b"root" * BLOCK)
+    with Store.init(xfs / "store") as store:
+        Sandbox.create(store, "box", image=image, kernel=kernel)
+    import blockdiff
+
+    # The blockdiff under test, whatever the directory the command runs in.
+    env = dict(os.environ, BLOCKDIFF_VM_ACCEL="tcg",
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(blockdiff.__file__))))
+    env.pop("BLOCKDIFF_STORE", None)
+    done = subprocess.run([sys.executable, "-c", _RECORD_LAUNCH, "vm", "start", "box",
+                           "--store", "store"], cwd=xfs, env=env, capture_output=True,
+                          text=True)
+    assert done.returncode == 9 and "recorded instead of started" in done.stderr, done.stderr
+    launch = json.loads(done.stdout.splitlines()[0])
+    argv = launch["argv"]
+    assert launch["directory"] == str(xfs / "store" / "vms" / "box")
+    files = [argv[argv.index("-kernel") + 1], argv[argv.index("-initrd") + 1],
+             next(a for a in argv if a.startswith("file=")).split(",")[0][len("file="):]]
+    for path in files:
+        assert os.path.isabs(path) and os.path.isfile(path), argv
+    assert files[2] == str(xfs / "store" / "vms" / "box" / "disk.img")
+    # The library, given the relative path, holds absolute ones too.
+    cwd = os.getcwd()
+    os.chdir(xfs)
+    try:
+        box = Sandbox("store", "box")
+        box.store.close()
+        assert box.root == xfs / "store" and box.disk.is_absolute()
+    finally:
+        os.chdir(cwd)
