@@ -203,10 +203,10 @@ def store_option(command):
                         help="The snapshot store directory.")(command)
 
 
-def _open_store(path):
+def _open_store(path, *, freeing: bool = False):
     from blockdiff.store import open_store
 
-    return open_store(path)
+    return open_store(path, freeing=freeing)
 
 
 def _duration(value: str | None, option: str = "--ttl") -> float | None:
@@ -406,7 +406,7 @@ def rm(store_path, snapshot_id):
     """
     from blockdiff.view import human_size
 
-    with _open_store(store_path) as store:
+    with _open_store(store_path, freeing=True) as store:
         result = store.rm(snapshot_id)
     click.echo(f"removed {snapshot_id}; its files held {human_size(result.bytes_freed)} "
                f"(blocks an image still shares stay in use)")
@@ -432,7 +432,7 @@ def gc(store_path, keep_last, keep_within, dry_run):
     from blockdiff.view import human_size
 
     policy = Policy(keep_last=keep_last, keep_within=_duration(keep_within, "--keep-within"))
-    with _open_store(store_path) as store:
+    with _open_store(store_path, freeing=not dry_run) as store:
         result = store.gc(policy, dry_run=dry_run)
     verb = "would remove" if dry_run else "removed"
     for snapshot_id in result.removed:
@@ -815,10 +815,10 @@ def agent():
     """
 
 
-def _agent_db(store_path):
+def _agent_db(store_path, codec=None):
     from blockdiff.agent import AgentDB
 
-    return AgentDB(_open_store(store_path))
+    return AgentDB(_open_store(store_path), codec)
 
 
 def _when(t: float | None) -> str:
@@ -860,7 +860,10 @@ def agent_history(thread, store_path, as_json):
     Example:
       blockdiff agent history --store S run-42
     """
-    history = _agent_db(store_path).history(thread)
+    from blockdiff.sealing import Codec
+
+    # Sealed meta shows with the key (and as null without it) in --json only.
+    history = _agent_db(store_path, Codec() if as_json else None).history(thread)
     if as_json:
         return _echo_records(history)
     for c in history:
@@ -896,10 +899,10 @@ def agent_show(checkpoint_id, store_path, as_json):
     """
     from blockdiff.sealing import Codec
 
-    db = _agent_db(store_path)
+    codec = Codec()
+    db = _agent_db(store_path, codec)
     cp = db.checkpoint(checkpoint_id)
     state_blob, messages_blob = db.contents(checkpoint_id)
-    codec = Codec()
     record = cp.__dict__ | {
         "state": codec.decode(state_blob, f"checkpoint {checkpoint_id} state"),
         "messages": codec.decode(messages_blob, f"checkpoint {checkpoint_id} messages")}

@@ -91,6 +91,9 @@ PIECE_DTYPE = np.dtype([("offset", "<u8"), ("length", "<u8"), ("layer", "<i8"), 
 # unchanged since a whole check passed (at its commit, or by verify) at most
 # this long ago.
 VOUCH_SECONDS = 24 * 3600
+# A preallocated file the store deletes to make room when the disk is full,
+# so that rm and gc can still open the catalog and free space.
+RESERVE = 4 << 20
 # An export record is a small JSON object: anything longer is not one.
 EXPORT_RECORD_MAX = 1 << 20
 MESSAGE_MAX = 64 * 1024
@@ -348,7 +351,9 @@ def _unlink(path: Path) -> int:
 class Store:
     """A snapshot store in a directory on a reflink filesystem."""
 
-    def __init__(self, root: str | os.PathLike):
+    def __init__(self, root: str | os.PathLike, *, freeing: bool = False):
+        """Open the store at ``root``. ``freeing``: the caller is about to free
+        space (rm, gc), so on a full disk the store's reserve may be used."""
         self.root = Path(root)
         path = self.root / "catalog.sqlite"
         if not path.exists():
@@ -359,7 +364,15 @@ class Store:
         damaged = (f"{path} is damaged ({{}}); nothing was changed. Put back a copy of it, "
                    f"or move the store away and import its exports into a new one")
         try:
-            self.catalog = Catalog(str(path))
+            try:
+                self.catalog = Catalog(str(path))
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                if not (freeing and _unlink(self.root / "reserve")):
+                    raise OSError(errno.ENOSPC, "No space left on device (blockdiff rm and gc "
+                                  "can still free space in the store)", str(path)) from None
+                self.catalog = Catalog(str(path))
         except CatalogDamaged as e:
             raise Damaged(damaged.format(e)) from None
         except CatalogTooNew as e:
@@ -384,6 +397,8 @@ class Store:
         self._maps_lock = threading.Lock()
         self._held = threading.local()
         self._adopt_unrecorded_layers()
+        if not freeing:
+            self.keep_reserve()
 
     @classmethod
     def init(cls, root: str | os.PathLike, *, allow_copy: bool = False,
@@ -431,7 +446,8 @@ class Store:
             _fsync_dir(root)
         except BaseException:
             # A failed init leaves nothing it made behind.
-            for name in ("catalog.sqlite", "catalog.sqlite-wal", "catalog.sqlite-shm", "lock"):
+            for name in ("catalog.sqlite", "catalog.sqlite-wal", "catalog.sqlite-shm", "lock",
+                         "reserve"):
                 with contextlib.suppress(FileNotFoundError):
                     (root / name).unlink()
             for name in ("objects", "staging"):
@@ -467,6 +483,24 @@ class Store:
 
     def close(self) -> None:
         self.catalog.close()
+
+    def keep_reserve(self) -> None:
+        """Make sure the store's reserve file is there, if there is room for it."""
+        path = self.root / "reserve"
+        if path.exists():
+            return
+        temp = self.root / f".reserve.{os.getpid()}"
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, RESERVE)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(temp, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                temp.unlink()
 
     def __enter__(self) -> "Store":
         return self
@@ -545,6 +579,13 @@ class Store:
         """A snapshot's map, checked against the digest the catalog recorded
         (when it is read: ``cached=False`` reads it even if it was read before)
         and against the catalog's size."""
+        smap = self._read_map(snap, cached)
+        if smap.pieces.size != snap.size or smap.extents.size != snap.size:
+            raise Damaged(f"snapshot {snap.id}: the catalog says {snap.size} bytes, its map "
+                          f"{smap.pieces.size}; run: blockdiff verify --store {self.root}")
+        return smap
+
+    def _read_map(self, snap: Snapshot, cached: bool) -> SnapshotMap:
         if cached:
             with self._maps_lock:
                 known = self._maps.get(snap.map_sha256)
@@ -562,7 +603,7 @@ class Store:
         if delta is not None:
             if delta.base != snap.map_base:
                 raise damaged
-            base = self.load_map(self.get(delta.base), cached=cached)
+            base = self._read_map(self.get(delta.base), cached)
             own = smap
             extents, _ = remap(base.extents, delta.starts, delta.ends,
                                (own.extents.logical, own.extents.physical, own.extents.length,
@@ -570,9 +611,6 @@ class Store:
             smap = dataclasses.replace(
                 own, pieces=splice_pieces(base.pieces, delta.starts, delta.ends, own.pieces),
                 extents=extents)
-        if smap.pieces.size != snap.size or smap.extents.size != snap.size:
-            raise Damaged(f"snapshot {snap.id}: the catalog says {snap.size} bytes, its map "
-                          f"{smap.pieces.size}; run: blockdiff verify --store {self.root}")
         self._remember_map(snap.map_sha256, smap)
         return smap
 
@@ -1167,7 +1205,9 @@ class Store:
 
     def rm(self, snapshot_id: str) -> Removal:
         """Delete one snapshot; its descendants stay restorable byte for byte."""
-        return self._remove([self.get(snapshot_id)], {snapshot_id: "asked"})
+        result = self._remove([self.get(snapshot_id)], {snapshot_id: "asked"})
+        self.keep_reserve()
+        return result
 
     def _whole_maps_of_dependents(self, snap: Snapshot,
                                   placed: list[Path]) -> tuple[list[Snapshot], dict[int, str]]:
@@ -1248,6 +1288,7 @@ class Store:
             return Removal([s.id for s in remove], 0, reasons)
         result = self._remove(remove, reasons)
         result.bytes_freed += self._sweep()
+        self.keep_reserve()
         return result
 
     def _sweep(self) -> int:
@@ -1441,9 +1482,9 @@ def read_export_record(path: str) -> dict:
     return record
 
 
-def open_store(path: str | os.PathLike | None) -> Store:
-    """The store at ``path``, or at $BLOCKDIFF_STORE."""
+def open_store(path: str | os.PathLike | None, *, freeing: bool = False) -> Store:
+    """The store at ``path``, or at $BLOCKDIFF_STORE (``freeing``: see ``Store``)."""
     path = path or os.environ.get(STORE_ENV)
     if not path:
         raise UsageError(f"no store given; pass --store DIR or set {STORE_ENV}")
-    return Store(path)
+    return Store(path, freeing=freeing)
