@@ -37,11 +37,13 @@ from blockdiff.catalog import immediate_transaction
 from blockdiff.disks import Disk, ImageDisk
 from blockdiff.errors import BlockdiffError, UsageError
 from blockdiff.retention import check_duration
-from blockdiff.sealing import Codec, create_private
+from blockdiff.sealing import PLAIN, Codec, SealingError, content_hash, create_private
 from blockdiff.store import Store, open_store
 
 DB_NAME = "agent.sqlite"
-FORMAT_VERSION = 1
+# 2: meta is redacted and sealed like the state; the content hash is taken
+# over what is written, keyed when sealed (sealing.Codec.content_hash).
+FORMAT_VERSION = 2
 DEFAULT_LEASE = 300.0
 # The points of the step protocol an Agent's ``trace`` is told about, in order.
 TRACE_POINTS = (
@@ -56,6 +58,7 @@ TRACE_POINTS = (
 )
 NOT_APPLIED = object()  # a tool's check: "that request never took effect"
 
+_LEGACY_HASH = "instr(content_hash, ':') = 0"
 MIGRATIONS = [
     """
     CREATE TABLE threads (
@@ -117,6 +120,11 @@ MIGRATIONS = [
         comment TEXT
     );
     CREATE INDEX approvals_thread ON approvals(thread);
+    """,
+    # Checkpoints whose content hash is a plain SHA-256 of the state before
+    # redaction, as written before hashes were keyed: AgentDB rehashes them.
+    f"""
+    CREATE INDEX checkpoints_legacy_hash ON checkpoints(seq) WHERE {_LEGACY_HASH};
     """,
 ]
 
@@ -211,7 +219,7 @@ class Checkpoint:
     expires: float | None
     reason: str
     disk_snapshot: str | None
-    meta: dict
+    meta: dict | None    # None: sealed, and read without the key
     content_hash: str
 
 
@@ -310,14 +318,20 @@ def _owner_alive(owner: str) -> bool:
 
 
 class AgentDB:
-    """The agent tables, in ``<store>/agent.sqlite`` beside the store's catalog."""
+    """The agent tables, in ``<store>/agent.sqlite`` beside the store's catalog.
 
-    def __init__(self, store: Store):
+    ``codec`` (with the key, when sealed) reads checkpoints' meta; without
+    it a sealed checkpoint's meta reads as None."""
+
+    def __init__(self, store: Store, codec: Codec | None = None):
         self.store = store
+        self.codec = codec
         path = store.root / DB_NAME
         create_private(path, getattr(store, "file_mode", 0o600))
         self.db = sqlite3.connect(path, timeout=60, isolation_level=None,
                                   check_same_thread=False)
+        # What a rewrite or a delete leaves behind is zeroed, not left in free space.
+        self.db.execute("PRAGMA secure_delete=ON")
         self.db.execute("PRAGMA journal_mode=WAL")
         # FULL: a journal intent must be on disk before the tool runs.
         self.db.execute("PRAGMA synchronous=FULL")
@@ -329,6 +343,34 @@ class AgentDB:
                 for statement in filter(str.strip, script.split(";")):
                     db.execute(statement)
                 db.execute(f"PRAGMA user_version={number}")
+        self._rehash_legacy()
+
+    def _rehash_legacy(self) -> None:
+        """Replace content hashes written before they were keyed (a plain
+        SHA-256 of the state before redaction, which confirms a guess at a
+        redacted or sealed value) by what :meth:`Codec.content_hash` gives.
+        Sealed checkpoints need the key: without it they wait for a process
+        that has it. The partial index makes this free once none are left."""
+        rows = self.db.execute("SELECT id, state, messages, content_hash FROM checkpoints "
+                               f"WHERE {_LEGACY_HASH}").fetchall()
+        updates = []
+        for checkpoint_id, state, messages, old in rows:
+            if self.codec is not None:
+                try:
+                    parts = (self.codec.data(state, f"checkpoint {checkpoint_id} state"),
+                             self.codec.data(messages, f"checkpoint {checkpoint_id} messages"))
+                except SealingError:
+                    continue
+                new = self.codec.content_hash(*parts)
+            elif state[:1] == PLAIN and messages[:1] == PLAIN:
+                new = content_hash((state[1:], messages[1:]))
+            else:
+                continue
+            updates.append((new, checkpoint_id, old))
+        if updates:
+            with self.transaction() as db:
+                db.executemany("UPDATE checkpoints SET content_hash = ? "
+                               "WHERE id = ? AND content_hash = ?", updates)
 
     def close(self) -> None:
         self.db.close()
@@ -360,7 +402,14 @@ class AgentDB:
            "meta, content_hash FROM checkpoints")
 
     def _checkpoint(self, row) -> Checkpoint:
-        return Checkpoint(*row[:9], json.loads(row[9]), row[10])
+        return Checkpoint(*row[:9], self._meta(row[0], row[9]), row[10])
+
+    def _meta(self, checkpoint_id: str, stored) -> dict | None:
+        if isinstance(stored, str):          # in the clear
+            return json.loads(stored)
+        if self.codec is None or not self.codec.sealing:
+            return json.loads(stored[1:]) if stored[:1] == PLAIN else None
+        return self.codec.decode(stored, f"checkpoint {checkpoint_id} meta")
 
     def checkpoint(self, checkpoint_id: str, thread_id: str | None = None) -> Checkpoint:
         """The checkpoint ``checkpoint_id`` (``thread_id``, if given, only
@@ -512,10 +561,6 @@ def bound_disk(store: Store, binding: str | None) -> Disk | None:
     return Sandbox(store, where) if kind == "vm" else ImageDisk(store, where)
 
 
-def _content_hash(state_blob_plain: bytes, messages_plain: bytes) -> str:
-    return hashlib.sha256(state_blob_plain + b"\0" + messages_plain).hexdigest()
-
-
 def _canonical(value) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
 
@@ -546,7 +591,7 @@ class Agent:
             ttl = check_duration(ttl, "ttl")
         self.store = store if isinstance(store, Store) else open_store(store)
         self.codec = Codec(key, secrets=secrets, redactor=redactor)
-        self.db = AgentDB(self.store)
+        self.db = AgentDB(self.store, self.codec)
         self._closed = False
         self.thread_id = thread_id
         self.disk = disk
@@ -678,35 +723,46 @@ class Agent:
             self.trace("checkpoint.disk")
         elif head is not None:
             disk_snapshot = head.disk_snapshot
-        plain_state, plain_messages = _canonical(self.state), _canonical(self.messages)
-        content = _content_hash(plain_state, plain_messages)
+        # Compared as written: redacted, and keyed when sealed, so that the
+        # hash confirms no guess at a secret or a sealed value.
+        written = self.codec.serialise(self.state), self.codec.serialise(self.messages)
+        content = self.codec.content_hash(*written)
         if (head is not None and not force and head.content_hash == content
                 and head.disk_snapshot == disk_snapshot):
             self._renew()
             return CheckpointResult(head.id, True, time.monotonic() - start, disk_seconds)
         with self.db.transaction() as db:
             checkpoint_id = self._insert_head(db, thread, parent, (head.step + 1) if head else 0,
-                                              reason, content, disk_snapshot, meta)
+                                              reason, content, disk_snapshot, meta, written)
         if thread == self.thread_id:
             self.head = checkpoint_id
         self.trace("checkpoint.recorded")
         return CheckpointResult(checkpoint_id, False, time.monotonic() - start, disk_seconds)
 
     def _insert_head(self, db, thread: str, parent: str | None, step: int, reason: str,
-                     content_hash: str, disk_snapshot: str | None, meta: dict) -> str:
-        """Record the in-memory state and messages as ``thread``'s new head,
-        inside the caller's transaction; returns its id."""
+                     content_hash: str, disk_snapshot: str | None, meta: dict,
+                     written: tuple[bytes, bytes] | None = None) -> str:
+        """Record the in-memory state and messages (``written``: as already
+        serialised) as ``thread``'s new head, inside the caller's
+        transaction; returns its id."""
         self._check_owner(db)
         checkpoint_id, now = _new_id(), time.time()
+        codec = self.codec
+        state, messages = written or (codec.serialise(self.state),
+                                      codec.serialise(self.messages))
+        meta_data = codec.serialise(meta)
         db.execute(
             "INSERT INTO checkpoints (id, thread, parent, step, version, created, expires, "
             "reason, state, messages, content_hash, disk_snapshot, meta) "
             "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (checkpoint_id, thread, parent, step, FORMAT_VERSION, now,
              now + self.ttl if self.ttl else None, reason,
-             self.codec.encode(self.state, self._context(checkpoint_id, "state")),
-             self.codec.encode(self.messages, self._context(checkpoint_id, "messages")),
-             content_hash, disk_snapshot, json.dumps(meta)))
+             codec.seal(state, self._context(checkpoint_id, "state")),
+             codec.seal(messages, self._context(checkpoint_id, "messages")),
+             content_hash, disk_snapshot,
+             # In the clear as JSON text, as before, when nothing is sealed.
+             codec.seal(meta_data, self._context(checkpoint_id, "meta")) if codec.sealing
+             else meta_data.decode()))
         db.execute("UPDATE threads SET head = ?, lease_until = ? WHERE id = ?",
                    (checkpoint_id, now + self.lease, thread))
         return checkpoint_id

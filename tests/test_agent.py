@@ -568,3 +568,120 @@ def test_a_new_agent_database_is_private(setup):
         os.chmod(path, 0o644)
         AgentDB(store).close()
         assert os.stat(path).st_mode & 0o777 == 0o644
+
+
+def _agent_files(store) -> bytes:
+    path = store.root / agent_module.DB_NAME
+    return b"".join(p.read_bytes() for p in path.parent.glob(path.name + "*"))
+
+
+def _hashes(store) -> dict[str, str]:
+    raw = sqlite3.connect(store.root / agent_module.DB_NAME)
+    try:
+        return dict(raw.execute("SELECT id, content_hash FROM checkpoints"))
+    finally:
+        raw.close()
+
+
+def test_sealed_checkpoints_confirm_no_guess_at_their_contents(setup, monkeypatch):
+    import hashlib
+    import json
+
+    monkeypatch.delenv("BLOCKDIFF_AGENT_KEY", raising=False)
+    store, disk, image = setup
+    key = new_key()
+    secret = "sk-live-4f1c9a7e"
+
+    def canonical(value) -> bytes:
+        return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+    with Agent(store, "t", disk=disk, key=key, secrets={"api_token"}) as a:
+        with a.step("login", meta={"api_token": secret, "ticket": "TICKET-7781"}) as s:
+            s.state["api_token"] = secret
+            s.state["plan"] = "deploy the fix"
+            s.messages.append({"role": "user", "content": "go ahead"})
+        guessed_state, messages = dict(a.state), list(a.messages)
+        head = a.head
+        assert a.checkpoint("again").skipped                  # unchanged: still skipped
+    stored = _hashes(store)[head]
+    # Old code: sha256(state before redaction, messages), to be matched by guessing.
+    for state in (guessed_state, guessed_state | {"api_token": "[redacted]"}):
+        guess = hashlib.sha256(canonical(state) + b"\0" + canonical(messages)).hexdigest()
+        assert guess not in stored
+    assert stored.startswith("hmac-sha256:") and len(stored) == len("hmac-sha256:") + 64
+    assert all(h.startswith("hmac-sha256:") for h in _hashes(store).values())
+    # Nothing written in the clear: not the secret, the state, nor the meta.
+    files = _agent_files(store)
+    for plain in (secret, "deploy the fix", "go ahead", "TICKET-7781", "ticket"):
+        assert plain.encode() not in files, plain
+    # Resumed (the secret now reads redacted), an unchanged thread is still
+    # not checkpointed again: the hash is of what was written.
+    with Agent(store, "t", disk=disk, key=key, secrets={"api_token"}) as a:
+        assert a.state["api_token"] == "[redacted]"
+        assert a.checkpoint("after resume").skipped
+        meta = a.history()[0].meta
+        assert meta["ticket"] == "TICKET-7781" and meta["api_token"] == "[redacted]"
+        assert meta["step"] == "login"
+    # Without the key, the meta is not there to read; with it, it is.
+    with AgentDB(store) as db:
+        assert db.checkpoint(head).meta is None
+    env = dict(os.environ)
+
+    def history_json(**extra):
+        done = subprocess.run([sys.executable, "-m", "blockdiff", "agent", "history", "t",
+                               "--json", "--store", str(store.root)], capture_output=True,
+                              text=True, env=env | extra)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    assert history_json()[0]["meta"] is None
+    assert history_json(BLOCKDIFF_AGENT_KEY=key)[0]["meta"]["ticket"] == "TICKET-7781"
+    # Unsealed, a redacted secret is not in the hash either.
+    with Agent(store, "plain", secrets={"api_token"}) as a:
+        a.state["api_token"] = secret
+        first = a.checkpoint("one")
+        a.state["api_token"] = "another guess"
+        assert a.checkpoint("two").skipped         # what would be written did not change
+    stored = _hashes(store)[first.id]
+    guess = hashlib.sha256(canonical({"api_token": secret}) + b"\0" + canonical([]))
+    assert stored.startswith("sha256:") and guess.hexdigest() not in stored
+    assert secret.encode() not in _agent_files(store)
+
+
+def test_content_hashes_written_before_they_were_keyed_are_replaced(setup, monkeypatch):
+    import hashlib
+    import json
+
+    monkeypatch.delenv("BLOCKDIFF_AGENT_KEY", raising=False)
+    store, _, _ = setup
+    key = new_key()
+    with Agent(store, "sealed", key=key) as a:
+        a.state["plan"] = "sealed plan"
+        a.checkpoint("one")
+    with Agent(store, "plain") as a:
+        a.state["plan"] = "plain plan"
+        a.checkpoint("one")
+    # As blockdiff wrote them before: a plain SHA-256 of the state.
+    raw = sqlite3.connect(store.root / agent_module.DB_NAME, isolation_level=None)
+    for thread, state in (("sealed", {"plan": "sealed plan"}), ("plain", {"plan": "plain plan"})):
+        legacy = hashlib.sha256(json.dumps(state, sort_keys=True, separators=(",", ":"))
+                                .encode() + b"\0[]").hexdigest()
+        raw.execute("UPDATE checkpoints SET content_hash = ? WHERE thread = ?",
+                    (legacy, thread))
+    plan = " ".join(r[-1] for r in raw.execute(
+        "EXPLAIN QUERY PLAN SELECT id, state, messages, content_hash FROM checkpoints "
+        f"WHERE {agent_module._LEGACY_HASH}"))
+    assert "checkpoints_legacy_hash" in plan                # found without a scan
+    raw.close()
+    AgentDB(store).close()                 # no key: the plain ones are rehashed, sealed wait
+    with AgentDB(store) as db:
+        sealed = {c.id for c in db.all_checkpoints("sealed")}
+    hashes = _hashes(store)
+    assert all(":" not in h for i, h in hashes.items() if i in sealed)
+    assert all(h.startswith("sha256:") for i, h in hashes.items() if i not in sealed)
+    with Agent(store, "sealed", key=key) as a:             # the key: the sealed ones too
+        assert a.checkpoint("unchanged").skipped
+    hashes = _hashes(store)
+    assert all(h.startswith("hmac-sha256:") for i, h in hashes.items() if i in sealed)
+    with Agent(store, "plain") as a:
+        assert a.checkpoint("unchanged").skipped
