@@ -37,6 +37,7 @@ import stat as stat_mode
 import struct
 import threading
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -201,6 +202,11 @@ def _encode_map(m: SnapshotMap, delta: MapDelta | None = None) -> bytes:
              e_length=extents.length, e_flags=extents.flags, e_size=np.uint64(extents.size),
              own_layer=np.int64(m.own_layer), chain=np.int64(m.chain), **extra)
     return buf.getvalue()
+
+
+# What decoding a map file that is not one can raise (numpy's npz reader).
+MAP_ERRORS = (ValueError, KeyError, OSError, EOFError, struct.error, zipfile.BadZipFile,
+              MemoryError)
 
 
 def _decode_map(raw: bytes) -> tuple[SnapshotMap, MapDelta | None]:
@@ -598,7 +604,7 @@ class Store:
             raise damaged
         try:
             smap, delta = _decode_map(raw)
-        except (ValueError, KeyError, OSError, EOFError, struct.error):
+        except MAP_ERRORS:
             raise damaged from None
         if delta is not None:
             if delta.base != snap.map_base:
@@ -715,6 +721,9 @@ class Store:
             origin = self.layer_record(int(layer)).origin
             if origin is None:
                 continue
+            if len(origin) % PIECE_DTYPE.itemsize:
+                raise Damaged(f"the catalog's record of layer {_layer_name(layer)} is damaged; "
+                              f"run: blockdiff verify --store {self.root}")
             # Compaction layers keep each byte at its offset in the image.
             mine = pieces.layer == layer
             starts, ends = pieces.offset[mine], pieces.offset[mine] + pieces.length[mine]

@@ -1,0 +1,175 @@
+"""Fuzzing the store's parsers: export files and their records, map files.
+
+Bounded budgets (hypothesis), so they run in every test run; the crafted
+files in tests/corpus/export/ are replayed each time too. The only outcomes
+allowed are success or one of blockdiff's errors (one line, an exit code),
+with nothing left in the store's objects or staging.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from blockdiff.errors import BlockdiffError
+from blockdiff.store import (
+    EXPORT_MAGIC,
+    MAP_ERRORS,
+    Store,
+    _decode_map,
+    _encode_map,
+    read_export_record,
+)
+
+CORPUS = Path(__file__).parent / "corpus" / "export"
+FUZZ = settings(max_examples=150, deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                       HealthCheck.too_slow])
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                  max_size=4),
+    max_leaves=20)
+
+
+def with_record(diff: bytes, body: bytes) -> bytes:
+    return diff + body + struct.pack("<Q", len(body)) + EXPORT_MAGIC
+
+
+@pytest.fixture(scope="module")
+def exported(_session_mounts):
+    """A real export of a small snapshot on XFS, its diff part and its record."""
+    root = Path(tempfile.mkdtemp(prefix="fuzz-store-", dir=_session_mounts("xfs")))
+    try:
+        yield _export(root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _export(root: Path):
+    with Store.init(root / "store") as store:
+        image = root / "disk.img"
+        rng = np.random.default_rng(1)
+        image.write_bytes(rng.bytes(64 * 1024))
+        snap = store.commit(image, message="m", meta={"k": "v"})
+        store.export(snap.id, root / "one.bdx")
+    raw = (root / "one.bdx").read_bytes()
+    length = struct.unpack("<Q", raw[-16:-8])[0]
+    return root, raw, raw[:-16 - length], json.loads(raw[-16 - length:-16])
+
+
+@FUZZ
+@given(record=json_values)
+def test_any_json_record_is_checked_or_refused(exported, record):
+    root, raw, diff, _ = exported
+    path = root / "rec.bdx"
+    path.write_bytes(with_record(diff, json.dumps(record).encode()))
+    try:
+        read_export_record(str(path))
+    except BlockdiffError as e:
+        assert "\n" not in str(e)
+
+
+@FUZZ
+@given(change=st.dictionaries(st.sampled_from(["id", "created", "expires", "message", "meta"]),
+                              json_values, min_size=1, max_size=3))
+def test_mutated_snapshot_fields_are_checked_or_refused(exported, change):
+    root, raw, diff, record = exported
+    mutated = dict(record, snapshot=dict(record["snapshot"], **change))
+    path = root / "snap.bdx"
+    path.write_bytes(with_record(diff, json.dumps(mutated).encode()))
+    try:
+        checked = read_export_record(str(path))
+    except BlockdiffError:
+        return
+    info = checked["snapshot"]
+    assert isinstance(info["meta"], dict) and isinstance(info["message"], str)
+    assert isinstance(info["created"], (int, float)) and 0 <= info["created"] <= 253402300799
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_mutated_exports_import_or_fail_cleanly(exported, data):
+    root, raw, diff, record = exported
+    blob = bytearray(raw)
+    for _ in range(data.draw(st.integers(1, 4))):
+        how = data.draw(st.sampled_from(["flip", "truncate", "value"]))
+        if how == "flip" and blob:
+            i = data.draw(st.integers(0, len(blob) - 1))
+            blob[i] ^= 1 << data.draw(st.integers(0, 7))
+        elif how == "truncate":
+            del blob[data.draw(st.integers(0, len(blob))):]
+        elif len(blob) >= 8:
+            i = data.draw(st.integers(0, len(blob) - 8))
+            value = data.draw(st.sampled_from([0, 1, 2**31, 2**32, 2**40, 2**63 - 1, 2**64 - 1]))
+            blob[i:i + 8] = struct.pack("<Q", value)
+    path = root / "mutated.bdx"
+    path.write_bytes(bytes(blob))
+    target = root / "target"
+    if not (target / "catalog.sqlite").exists():
+        Store.init(target).close()
+    with Store(target) as store:
+        before = sorted(p.name for p in store.objects.iterdir())
+        try:
+            result = store.import_(path)
+        except (BlockdiffError, OSError) as e:
+            assert "\n" not in str(e)
+            assert sorted(p.name for p in store.objects.iterdir()) == before
+        else:
+            for sid in result.ids:   # imported: it must be exactly the snapshot
+                store.restore(sid, root / "imported.img")
+                assert (root / "imported.img").read_bytes() == (root / "disk.img").read_bytes()
+                (root / "imported.img").unlink()
+                store.rm(sid)
+                store.catalog.db.execute("DELETE FROM retired_ids")
+        assert list(store.staging.iterdir()) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_map_decoder_raises_only_damage(data):
+    from blockdiff.extents import ExtentMap, PieceTable
+    from blockdiff.store import SnapshotMap
+
+    n = data.draw(st.integers(0, 5))
+    u = np.arange(n, dtype=np.uint64) * np.uint64(4096)
+    smap = SnapshotMap(PieceTable(u, np.full(n, 4096, np.uint64), np.ones(n, np.int64), u,
+                                  n * 4096),
+                       ExtentMap.from_arrays(u, u, np.full(n, 4096), np.zeros(n), n * 4096), 1)
+    blob = bytearray(_encode_map(smap))
+    for _ in range(data.draw(st.integers(1, 8))):
+        i = data.draw(st.integers(0, len(blob) - 1))
+        blob[i] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        del blob[data.draw(st.integers(0, len(blob))):]
+    try:
+        _decode_map(bytes(blob))
+    except MAP_ERRORS:
+        pass
+
+
+@pytest.mark.parametrize("path", sorted(CORPUS.glob("*.bdx")), ids=lambda p: p.name)
+def test_export_corpus(path, exported):
+    root = exported[0]
+    target = root / "corpus-store"
+    if not (target / "catalog.sqlite").exists():
+        Store.init(target).close()
+    proc = subprocess.run([sys.executable, "-m", "blockdiff", "import", "--store", str(target),
+                           str(path)], capture_output=True, text=True)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert list((target / "objects").iterdir()) == []
+    assert os.listdir(target / "staging") == []
