@@ -458,14 +458,16 @@ class AgentDB:
                 self.store.rm(snapshot)
         return expired
 
-    def tree(self) -> str:
-        """Every thread's checkpoints as one tree: forks and rewinds branch."""
+    def tree(self, label: Callable[[str], str] = str) -> str:
+        """Every thread's checkpoints as one tree: forks and rewinds branch.
+        ``label`` is applied to each node's text (thread, step and reason):
+        the command line escapes what a terminal would act on."""
         from types import SimpleNamespace
 
         from blockdiff.view import render_tree
 
         nodes = [SimpleNamespace(seq=r[0], id=r[1], parent=r[2],
-                                 message=f"[{r[3]}] step {r[4]}: {r[5]}")
+                                 message=label(f"[{r[3]}] step {r[4]}: {r[5]}"))
                  for r in self.db.execute("SELECT seq, id, parent, thread, step, reason "
                                           "FROM checkpoints")]
         return render_tree(nodes)

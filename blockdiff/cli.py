@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import functools
 import json
+import re
 import sys
 
 import click
@@ -56,6 +57,30 @@ def reports_errors(command):
             raise
 
     return wrapper
+
+
+# What a terminal acts on instead of showing: C0 controls, DEL, C1 controls,
+# line and paragraph separators, and the bidirectional marks and overrides
+# that reorder what is shown.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e"
+                          "\u2066-\u2069]")
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(match) -> str:
+    char = match.group()
+    code = ord(char)
+    return _ESCAPES.get(char) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+
+
+def _printable(value) -> str:
+    """``value`` as text to print for a human: every character a terminal
+    would act on (a newline, an escape sequence) written as an escape
+    (``\\n``, ``\\x1b``, ``\\u2028``), so that a stored message, name or meta
+    value cannot clear the screen, retitle the window or fake lines of
+    output. Used wherever human output shows stored strings; ``--json``
+    output needs no escaping beyond JSON's own."""
+    return _UNPRINTABLE.sub(_escape, "-" if value is None else str(value))
 
 
 def _notes(notes) -> None:
@@ -370,11 +395,12 @@ def log(store_path, snapshot_id, as_json):
         return
     for s in snaps:
         when = _time.strftime("%Y-%m-%d %H:%M:%S", _time.localtime(s.created))
-        extra = "".join(f" {k}={v}" for k, v in sorted(s.meta.items()))
+        extra = "".join(f" {_printable(k)}={_printable(v)}" for k, v in sorted(s.meta.items()))
         expiry = (f" expires {_time.strftime('%Y-%m-%d %H:%M', _time.localtime(s.expires))}"
                   if s.expires else "")
-        click.echo(f"{s.id}  parent {s.parent or '-':16}  {when}  "
-                   f"{human_size(s.changed_bytes):>10} changed{expiry}  {s.message}{extra}")
+        click.echo(f"{_printable(s.id)}  parent {_printable(s.parent):16}  {when}  "
+                   f"{human_size(s.changed_bytes):>10} changed{expiry}  "
+                   f"{_printable(s.message)}{extra}")
 
 
 @main.command()
@@ -387,10 +413,16 @@ def tree(store_path):
     Example:
       blockdiff tree --store S
     """
+    from types import SimpleNamespace
+
     from blockdiff.view import render_tree
 
     with _open_store(store_path) as store:
-        click.echo(render_tree(store.log()))
+        snapshots = store.log()
+    click.echo(render_tree([
+        SimpleNamespace(seq=s.seq, id=_printable(s.id), message=_printable(s.message),
+                        parent=None if s.parent is None else _printable(s.parent))
+        for s in snapshots]))
 
 
 @main.command()
@@ -796,7 +828,7 @@ def vm_ls(store_path, as_json):
         return _echo_records(statuses)
     for s in statuses:
         state = f"running (pid {s.pid}, {s.accel})" if s.running else "stopped"
-        click.echo(f"{s.name:20} {state:28} {s.snapshot or '-'}")
+        click.echo(f"{_printable(s.name):20} {state:28} {_printable(s.snapshot)}")
 
 
 # ------------------------------------------------------------ agent threads
@@ -843,9 +875,10 @@ def agent_threads(store_path, as_json):
     if as_json:
         return _echo_records(threads)
     for t in threads:
-        extra = f"  forked from {t.forked_from}" if t.forked_from else ""
-        who = f"  by {t.owner}" if t.owner else ""
-        click.echo(f"{t.id:24} {t.status:17} {t.head or '-':16}{who}{extra}")
+        extra = f"  forked from {_printable(t.forked_from)}" if t.forked_from else ""
+        who = f"  by {_printable(t.owner)}" if t.owner else ""
+        click.echo(f"{_printable(t.id):24} {_printable(t.status):17} {_printable(t.head):16}"
+                   f"{who}{extra}")
 
 
 @agent.command("history")
@@ -867,9 +900,10 @@ def agent_history(thread, store_path, as_json):
     if as_json:
         return _echo_records(history)
     for c in history:
-        disk = f"disk {c.disk_snapshot}" if c.disk_snapshot else "no disk"
-        click.echo(f"{c.id}  step {c.step:<4} {_when(c.created)}  {c.reason:24} {disk}"
-                   + (f"  ({c.thread})" if c.thread != thread else ""))
+        disk = f"disk {_printable(c.disk_snapshot)}" if c.disk_snapshot else "no disk"
+        click.echo(f"{_printable(c.id)}  step {c.step:<4} {_when(c.created)}  "
+                   f"{_printable(c.reason):24} {disk}"
+                   + (f"  ({_printable(c.thread)})" if c.thread != thread else ""))
 
 
 @agent.command("tree")
@@ -882,7 +916,7 @@ def agent_tree(store_path):
     Example:
       blockdiff agent tree --store S
     """
-    click.echo(_agent_db(store_path).tree())
+    click.echo(_agent_db(store_path).tree(label=_printable))
 
 
 @agent.command("show")
@@ -910,7 +944,9 @@ def agent_show(checkpoint_id, store_path, as_json):
         click.echo(json.dumps(record, indent=2))
         return
     for key in ("id", "thread", "parent", "step", "reason", "disk_snapshot", "meta"):
-        click.echo(f"{key + ':':15}{record[key]}")
+        value = record[key]
+        click.echo(f"{key + ':':15}" + (json.dumps(value) if isinstance(value, dict)
+                                        else _printable(value)))
     click.echo(f"{'created:':15}{_when(cp.created)}   expires: {_when(cp.expires)}")
     click.echo("state:\n" + json.dumps(record["state"], indent=2))
     click.echo(f"messages: {len(record['messages'])}")
@@ -934,7 +970,8 @@ def agent_journal(thread, store_path, as_json):
     if as_json:
         return _echo_records(entries)
     for e in entries:
-        click.echo(f"{e.request_id}  {e.tool:16} {e.status:14} {_when(e.started)}")
+        click.echo(f"{_printable(e.request_id)}  {_printable(e.tool):16} "
+                   f"{_printable(e.status):14} {_when(e.started)}")
 
 
 @agent.command("pending")
@@ -956,13 +993,14 @@ def agent_pending(store_path, as_json):
     if not approvals:
         click.echo("no pending approvals")
     for a in approvals:
-        click.echo(f"{a.thread:24} {json.dumps(a.action)}  (asked {_when(a.created)}, "
+        click.echo(f"{_printable(a.thread):24} {json.dumps(a.action)}  (asked {_when(a.created)}, "
                    f"expires {_when(a.expires)})")
 
 
 def _decide(thread, store_path, decision, comment):
     approval = _agent_db(store_path).decide(thread, decision, comment=comment)
-    click.echo(f"{thread}: {approval.decision}; the run continues when the agent resumes it")
+    click.echo(f"{_printable(thread)}: {approval.decision}; the run continues when the agent "
+               f"resumes it")
 
 
 @agent.command("approve")
@@ -1015,12 +1053,12 @@ def agent_rewind(thread, checkpoint_id, store_path):
     from blockdiff.agent import rewind_thread
 
     report = rewind_thread(_open_store(store_path), thread, checkpoint_id)
-    click.echo(f"{thread}: rewound to {checkpoint_id}")
+    click.echo(f"{_printable(thread)}: rewound to {_printable(checkpoint_id)}")
     for what, items in (("compensated", report.compensated),
                         ("compensation pending (runs when the agent resumes)", report.pending),
                         ("cannot be compensated", report.uncompensable)):
         for item in items:
-            click.echo(f"  {what}: {item}")
+            click.echo(f"  {what}: {_printable(item)}")
 
 
 @agent.command("fork")
@@ -1039,7 +1077,7 @@ def agent_fork(thread, checkpoint_id, new_thread, store_path):
     from blockdiff.agent import fork_thread
 
     head = fork_thread(_open_store(store_path), thread, checkpoint_id, new_thread)
-    click.echo(f"{new_thread}: forked from {checkpoint_id}; head {head}")
+    click.echo(f"{_printable(new_thread)}: forked from {_printable(checkpoint_id)}; head {head}")
 
 
 @agent.command("gc")
@@ -1058,7 +1096,8 @@ def agent_gc(store_path, dry_run):
     removed = _agent_db(store_path).gc(dry_run=dry_run)
     verb = "would remove" if dry_run else "removed"
     for c in removed:
-        click.echo(f"{verb} {c.id}  [{c.thread}] step {c.step}: {c.reason}")
+        click.echo(f"{verb} {_printable(c.id)}  [{_printable(c.thread)}] step {c.step}: "
+                   f"{_printable(c.reason)}")
     click.echo(f"{verb} {len(removed)} expired checkpoint(s)")
 
 
