@@ -204,3 +204,58 @@ def test_v1_claiming_too_many_ranges(tmp_path):
     path.write_bytes(b"BDIFFv1\0" + struct.pack("<QQQ", 0, 0, 2**40) + bytes(4064))
     with pytest.raises(InvalidDiff, match="claims"):
         _read(path)
+
+
+def _set_v2_field(path, offset: int, fmt_char: str, value: int) -> None:
+    """Set a v2 header field and recompute the header checksum, so the value
+    reaches the checks behind it."""
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<" + fmt_char, data, offset, value)
+    struct.pack_into("<I", data, 188, native.crc32c(bytes(data[:188])))
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("fields, message", [
+    # A table past the end of any file: once an OverflowError at os.pread.
+    ([(48, "Q", 2**63), (56, "Q", 2**63 + 4096)], "range table of 3 ranges at byte"),
+    # 2^30 ranges: once a MemoryError reading a 32 GiB table from a 12 KiB file.
+    ([(40, "Q", 2**30), (56, "Q", (192 + 32 * 2**30 + 4095) // 4096 * 4096)],
+     "claims a range table of 1073741824 ranges"),
+    ([(56, "Q", 2**63)], "truncated: its data region ends"),
+    ([(64, "Q", 2**64 - 1)], "truncated: its data region ends"),
+    ([(24, "Q", 2**63)], "target size 0x8000000000000000 is larger than any file"),
+    ([(32, "Q", 2**64 - 1)], "base size 0xffffffffffffffff is larger than any file"),
+    ([(88, "I", 2**32 - 1)], "samples 4294967295 blocks"),
+    ([(16, "I", 1 << 21)], "block size 2097152"),
+    ([(12, "I", 100)], "header size 100"),
+])
+def test_v2_header_values_beyond_the_file_are_refused(sample_v2, fields, message):
+    for offset, fmt_char, value in fields:
+        _set_v2_field(sample_v2, offset, fmt_char, value)
+    with pytest.raises(InvalidDiff, match=message):
+        _read(sample_v2)
+
+
+@pytest.mark.parametrize("target_size, base_size, pairs, message", [
+    (2**63, 4096, [(0, 4096)], "target size 0x8000000000000000"),
+    (2**64 - 1, 4096, [(2**63, 4096)], "target size 0xffffffffffffffff"),
+    (8192, 2**64 - 1, [(0, 4096)], "base size 0xffffffffffffffff"),
+    (2**63 - 1, 4096, [(2**63, 4096)], "past the target size"),
+])
+def test_v1_sizes_no_file_can_have_are_refused(tmp_path, target_size, base_size, pairs,
+                                               message):
+    head = b"BDIFFv1\0" + struct.pack("<QQQ", target_size, base_size, len(pairs))
+    head += b"".join(struct.pack("<QQ", o, n) for o, n in pairs)
+    path = tmp_path / "d.bdiff"
+    path.write_bytes(head + bytes(-len(head) % 4096) + bytes(4096))
+    with pytest.raises(InvalidDiff, match=message):
+        _read(path)
+
+
+def test_v1_table_is_bounded_by_the_file_before_it_is_read(tmp_path):
+    """2^26 ranges claimed by a 4 KiB file: refused without reading 1 GiB."""
+    path = tmp_path / "d.bdiff"
+    path.write_bytes(b"BDIFFv1\0" + struct.pack("<QQQ", 0, 0, 2**26) + bytes(4064))
+    with pytest.raises(InvalidDiff, match="ending at byte 1073741856, but the file has only "
+                                          "4096 bytes"):
+        _read(path)
