@@ -229,6 +229,13 @@ def _check_data_region(path: str, data_offset: int, data_length: int, file_size:
                           f"file has only {file_size} bytes; copy the diff again")
 
 
+def _table_past_end(path: str, count: int, table_offset: int, table_end: int,
+                    file_size: int) -> None:
+    raise InvalidDiff(f"{path} is truncated or corrupt: it claims a range table of {count} "
+                      f"ranges at byte {table_offset}, ending at byte {table_end}, but the file "
+                      f"has only {file_size} bytes")
+
+
 def _read_v1(fd: int, path: str, file_size: int) -> DiffHeader:
     magic, target_size, base_size, count = _V1_FIXED.unpack(
         _read_exact(fd, 0, _V1_FIXED.size, "header", path, file_size))
@@ -236,9 +243,7 @@ def _read_v1(fd: int, path: str, file_size: int) -> DiffHeader:
     _check_size(path, "base size", base_size)
     table_end = _V1_FIXED.size + count * V1_RANGE.itemsize
     if table_end > file_size:
-        raise InvalidDiff(f"{path} is truncated or corrupt: it claims {count} ranges, whose "
-                          f"table would end at byte {table_end}, but the file has only "
-                          f"{file_size} bytes")
+        _table_past_end(path, count, _V1_FIXED.size, table_end, file_size)
     data_offset = _round_up(table_end, V1_ALIGN)
     # The data region starts at data_offset: a file that ends before it is
     # refused before its table is read.
@@ -284,9 +289,7 @@ def _read_v2(fd: int, path: str, file_size: int) -> DiffHeader:
     # The header is self-consistent; now all it describes must be in the file
     # (the table ends before the data offset, so this bounds the table too).
     if table_end > file_size:
-        raise InvalidDiff(f"{path} is truncated or corrupt: it claims {count} ranges, whose "
-                          f"table would end at byte {table_end}, but the file has only "
-                          f"{file_size} bytes")
+        _table_past_end(path, count, table_offset, table_end, file_size)
     _check_data_region(path, data_offset, data_length, file_size)
     _check_size(path, "target size", target_size)
     _check_size(path, "base size", base_size)
