@@ -27,6 +27,8 @@ def _window(starts: np.ndarray, lengths: np.ndarray, around: int | None):
     """Indices to show, and the index containing ``around`` (or None)."""
     if around is None:
         return range(len(starts)), None
+    if not 0 <= around < 1 << 64:
+        return range(0), None        # no file has such an offset
     hit = np.flatnonzero((starts <= np.uint64(around)) & (starts + lengths > np.uint64(around)))
     if not len(hit):
         return range(0), None

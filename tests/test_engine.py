@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import resource
 import shutil
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -15,6 +19,7 @@ from hypothesis import strategies as st
 import scenarios
 from blockdiff import engine
 from blockdiff import format as fmt
+from blockdiff.errors import UsageError
 from blockdiff.extents import DATA, ZERO
 from scenarios import SCENARIOS, assert_same_bytes, make_base_image
 
@@ -358,3 +363,149 @@ def test_v1_zero_ranges_stay_holes_when_copied(xfs, ext4):
     assert os.stat(ext4 / "d.bdiff").st_blocks * 512 <= (3 + 1) * BLOCK + 64 * 1024
     engine.apply_diff(ext4 / "d.bdiff", xfs / "restored.img", base)
     assert_same_bytes(xfs / "restored.img", target)
+
+
+# ------------------------------------------ output files: mode, links, sizes
+
+
+def _small_pair(directory):
+    base, target = directory / "base.img", directory / "target.img"
+    make_base_image(base, 256 * 1024 + 100, 21)
+    SCENARIOS["mixed"](base, target, 21)
+    return base, target
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002, 0o000])
+def test_outputs_honour_the_umask(xfs, umask):
+    base, target = _small_pair(xfs)
+    os.chmod(base, 0o664)
+    old = os.umask(umask)
+    try:
+        engine.create_diff(xfs / "d.bdiff", target, base)
+        engine.create_diff(xfs / "full.bdiff", target)
+        engine.apply_diff(xfs / "d.bdiff", xfs / "from-base.img", base)
+        engine.apply_diff(xfs / "full.bdiff", xfs / "no-base.img")
+        engine.copy_file(target, xfs / "copy.img")
+        with engine.atomic_output(str(xfs / "explicit")) as (fd, _):
+            os.write(fd, b"x")
+        with engine.atomic_output(str(xfs / "explicit-0640"), 0o640) as (fd, _):
+            os.write(fd, b"x")
+    finally:
+        os.umask(old)
+
+    def mode(name):
+        return os.stat(xfs / name).st_mode & 0o7777
+
+    for name in ("d.bdiff", "full.bdiff", "no-base.img", "copy.img", "explicit"):
+        assert mode(name) == 0o666 & ~umask, (name, oct(mode(name)))
+    assert mode("from-base.img") == 0o664 & ~umask          # the base's mode, masked
+    assert mode("explicit-0640") == 0o640 & ~umask
+
+
+def test_output_that_is_a_symlink_is_replaced_and_its_target_untouched(xfs):
+    base, target = _small_pair(xfs)
+    diff = xfs / "d.bdiff"
+    engine.create_diff(diff, target, base)
+    for name in ("victim-apply", "victim-create"):
+        (xfs / name).write_bytes(b"do not touch" * 100)
+    before = {name: os.stat(xfs / name) for name in ("victim-apply", "victim-create")}
+    os.symlink(xfs / "victim-apply", xfs / "restored.img")
+    os.symlink("victim-create", xfs / "out.bdiff")          # relative, too
+    os.symlink(xfs / "nowhere", xfs / "dangling.img")
+
+    engine.apply_diff(diff, xfs / "restored.img", base)
+    engine.create_diff(xfs / "out.bdiff", target, base)
+    engine.apply_diff(diff, xfs / "dangling.img", base)
+
+    for link in ("restored.img", "out.bdiff", "dangling.img"):
+        assert not os.path.islink(xfs / link) and os.path.isfile(xfs / link)
+    assert_same_bytes(xfs / "restored.img", target)
+    assert_same_bytes(xfs / "dangling.img", target)
+    assert engine.read_diff(xfs / "out.bdiff").target_size == os.path.getsize(target)
+    assert not os.path.lexists(xfs / "nowhere")
+    for name, then in before.items():
+        now = os.stat(xfs / name)
+        assert (xfs / name).read_bytes() == b"do not touch" * 100
+        assert (now.st_ino, now.st_size, now.st_mtime_ns) == (then.st_ino, then.st_size,
+                                                              then.st_mtime_ns)
+    # A link to the base is the base: refused, the base unchanged.
+    base_digest = _digest(base)
+    os.symlink(base, xfs / "to-base.img")
+    with pytest.raises(UsageError, match="same file as BASE"):
+        engine.apply_diff(diff, xfs / "to-base.img", base)
+    assert os.path.islink(xfs / "to-base.img") and _digest(base) == base_digest
+
+
+def _sparse_image(path, size, tail=b"end of a sparse image"):
+    with open(path, "wb") as f:
+        f.truncate(size)
+        f.seek(size - len(tail))
+        f.write(tail)
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_target_larger_than_the_filesystem_is_refused_at_once(xfs, fmt_name):
+    """A diff of a few KiB describing a 2^40-byte (sparse) target, applied on
+    a 4 GiB filesystem: refused before anything is read or written."""
+    image = xfs / "huge.img"
+    _sparse_image(image, 1 << 40)
+    diff = xfs / "huge.bdiff"
+    engine.create_diff(diff, image, format=fmt_name)
+    image.unlink()
+    assert os.path.getsize(diff) < 64 * 1024
+    (xfs / "restored.img").write_bytes(b"precious")
+    with pytest.raises(OSError, match="larger than the whole filesystem") as raised:
+        engine.apply_diff(diff, xfs / "restored.img")
+    assert raised.value.errno == errno.ENOSPC
+    assert sorted(os.listdir(xfs)) == ["huge.bdiff", "restored.img"]
+    assert (xfs / "restored.img").read_bytes() == b"precious"
+
+
+def test_sparse_target_larger_than_the_free_space_is_applied(fresh_filesystem, xfs):
+    """Only the data has to fit: a 48 MiB sparse target on a 64 MiB tmpfs
+    with 8 MiB free."""
+    small = fresh_filesystem("tmpfs", size=64 * 1024 * 1024)
+    with open(small / "filler", "wb") as f:
+        f.write(bytes(56 * 1024 * 1024))
+    image = xfs / "sparse.img"
+    _sparse_image(image, 48 * 1024 * 1024)
+    engine.create_diff(xfs / "d.bdiff", image)
+    engine.apply_diff(xfs / "d.bdiff", small / "restored.img")
+    assert_same_bytes(small / "restored.img", image)
+
+
+def test_data_beyond_the_free_space_fails_cleanly(fresh_filesystem, xfs):
+    small = fresh_filesystem("tmpfs", size=16 * 1024 * 1024)
+    with open(small / "filler", "wb") as f:
+        f.write(bytes(10 * 1024 * 1024))
+    (small / "restored.img").write_bytes(b"precious")
+    image = xfs / "full.img"
+    make_base_image(image, 8 * 1024 * 1024, 22, sparse_fraction=0.0, zero_fraction=0.0)
+    engine.create_diff(xfs / "d.bdiff", image)
+    with pytest.raises(OSError) as raised:
+        engine.apply_diff(xfs / "d.bdiff", small / "restored.img")
+    assert raised.value.errno == errno.ENOSPC
+    assert sorted(os.listdir(small)) == ["filler", "restored.img"]
+    assert (small / "restored.img").read_bytes() == b"precious"
+
+
+def test_target_beyond_the_largest_file_is_refused(xfs):
+    """The largest file the kernel allows here (RLIMIT_FSIZE in this case)
+    is asked before anything is written: EFBIG, one line, nothing left."""
+    image = xfs / "sparse.img"
+    _sparse_image(image, 64 * 1024 * 1024)
+    engine.create_diff(xfs / "d.bdiff", image)
+    out = xfs / "out"
+    out.mkdir()
+    limit = 16 * 1024 * 1024
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    proc = subprocess.run([sys.executable, "-m", "blockdiff", "apply", str(xfs / "d.bdiff"),
+                           str(out / "restored.img")], capture_output=True, text=True,
+                          preexec_fn=cap)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert "File too large" in proc.stderr and "67108864 bytes" in proc.stderr
+    assert os.listdir(out) == []

@@ -474,6 +474,20 @@ def test_apply_on_mutations(seeds, tmp_path, seed, ops, fix):
     check_apply(path, directory / BASE_NAME if with_base else None, tmp_path / "out")
 
 
+@settings(max_examples=100, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.sampled_from(["seed-v1-base", "seed-v2-full"]),
+       offset=st.one_of(st.sampled_from(EXTREMES + [2**64, 2**100]), st.integers(-2**70, 2**70)))
+def test_view_at_any_offset(seeds, tmp_path, seed, offset):
+    """An OFFSET no file can have is no range's, not an OverflowError."""
+    _, made = seeds
+    path = _write(tmp_path, made[seed][0])
+    text = f"{offset:#x}" if offset >= 0 else f"-{-offset:#x}"
+    result = CliRunner().invoke(main, ["view", str(path), "--json", "--", text])
+    assert result.exit_code == 0, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
 def _corpus():
     return sorted(CORPUS.glob("*.bdiff"))
 
