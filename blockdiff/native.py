@@ -215,3 +215,14 @@ def crc32c(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
     """CRC32C (Castagnoli) of a buffer, continuing from ``crc``."""
     buf = ffi.from_buffer("uint8_t[]", data)
     return int(lib.bd_crc32c(crc, buf, len(buf)))
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (files named after it are in use)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

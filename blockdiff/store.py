@@ -318,16 +318,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 @dataclass
 class Removal:
     """What ``Store.rm`` or ``Store.gc`` removed."""
@@ -698,8 +688,10 @@ class Store:
         for layer, sel in _by_layer(pieces):
             if whole and self._vouched(layer):
                 continue
-            identity = _file_identity(self.layer_path(layer)) if whole else ""
+            identity = ""
             if whole:
+                with contextlib.suppress(OSError):   # a missing file: reported below
+                    identity = _file_identity(self.layer_path(layer))
                 bad, n, problem = self._bad_chunks(layer)
             else:
                 bad, n, problem = self._bad_chunks(layer, pieces.pos[sel], pieces.length[sel])
@@ -708,8 +700,8 @@ class Store:
                 what = problem or (f"{_layer_name(layer)}: {len(bad)} chunk(s) fail their "
                                    f"checksum")
                 raise Damaged(f"snapshot {snap.id} is damaged ({what}); nothing was "
-                              f"restored; run: blockdiff verify --store {self.root}")
-            if whole:
+                              f"written; run: blockdiff verify --store {self.root}")
+            if whole and identity:
                 self.catalog.mark_checked(layer, time.time(), identity)
                 self._forget_layer(layer)
         return read
@@ -1315,7 +1307,7 @@ class Store:
                     freed += _unlink(path)
             for path in self.staging.iterdir():
                 pid = path.name.split(".")[1] if path.name.count(".") >= 2 else ""
-                if pid.isdigit() and not _process_alive(int(pid)):
+                if pid.isdigit() and not native.process_alive(int(pid)):
                     freed += _unlink(path)
         return freed
 

@@ -134,3 +134,20 @@ def data_ranges(path: str | os.PathLike) -> list[tuple[int, int]]:
     finally:
         os.close(fd)
     return ranges
+
+
+def fill(directory, name: str = "filler"):
+    """Write a file in ``directory`` until its filesystem has no block left;
+    returns the file's path."""
+    path = os.path.join(directory, name)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        for size in (1 << 20, 4096):       # big writes, then the last few blocks
+            try:
+                while True:
+                    os.write(fd, b"\xff" * size)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+    return path

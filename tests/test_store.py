@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 
+import filesystems
 import scenarios
 from blockdiff.errors import Unsupported
 from blockdiff.extents import PieceTable, RangeSet, overlay, pieces_within
@@ -566,17 +567,7 @@ def test_full_disk_loses_nothing(fresh_filesystem):
     first = store.commit(image)
     expected = digest(image)
     write_blocks(image, 200, seed=3)
-    # Fill the filesystem to the last block.
-    fd = os.open(root / "filler", os.O_WRONLY | os.O_CREAT)
-    try:
-        for size in (1 << 20, 4096):       # big writes, then the last few blocks
-            try:
-                while True:
-                    os.write(fd, b"\xff" * size)
-            except OSError:
-                pass
-    finally:
-        os.close(fd)
+    filesystems.fill(root)   # to the last block
     env = dict(os.environ, BLOCKDIFF_STORE=str(root / "store"))
     proc = subprocess.run([sys.executable, "-m", "blockdiff", "commit", str(image)],
                           capture_output=True, text=True, env=env)

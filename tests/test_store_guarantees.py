@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+import filesystems
 import scenarios
 from blockdiff.errors import InvalidDiff, UsageError
 from blockdiff.retention import Policy
@@ -462,16 +463,7 @@ def test_full_disk_names_enospc_and_gc_still_frees_space(fresh_filesystem):
     make_base_image(image, 32 * 1024 * 1024, 80, sparse_fraction=0.0, zero_fraction=0.0)
     cli("commit", image, store=root / "store", check=0)
     image.unlink()        # the snapshot now holds the only copy of those blocks
-    fd = os.open(root / "filler", os.O_WRONLY | os.O_CREAT)
-    try:
-        for size in (1 << 20, 4096):
-            try:
-                while True:
-                    os.write(fd, b"\xff" * size)
-            except OSError:
-                pass
-    finally:
-        os.close(fd)
+    filesystems.fill(root)   # to the last block
     for command in (["log"], ["verify"]):
         proc = cli(*command, store=root / "store", check=1)
         assert "No space left on device" in proc.stderr

@@ -44,6 +44,7 @@ import blockdiff
 from blockdiff.retention import Policy
 from blockdiff.store import Store
 from scenarios import punch_hole, random_bytes
+from sweeper import SWEEPER
 
 BLOCK = 4096
 MAX_SIZE = 3 * 1024 * 1024
@@ -64,24 +65,6 @@ CONCURRENT_SETTINGS = settings(SETTINGS, phases=[Phase.generate], database=None,
 
 _PACKAGE_ROOT = str(Path(blockdiff.__file__).resolve().parent.parent)
 
-# Sweeps the stores given (gc without a policy: only files no snapshot uses go)
-# until the file argv[1] exists, its parent is gone, or argv[2] seconds passed.
-_SWEEPER = r"""
-import os, random, sys, time
-from blockdiff.retention import Policy
-from blockdiff.store import Store
-
-stop, limit, parent = sys.argv[1], time.monotonic() + float(sys.argv[2]), os.getppid()
-stores = [Store(path) for path in sys.argv[3:]]
-rng = random.Random(0)
-sweeps = 0
-while not os.path.exists(stop) and time.monotonic() < limit and os.getppid() == parent:
-    for store in stores:
-        store.gc(Policy())
-    sweeps += 1
-    time.sleep(rng.uniform(0.001, 0.005))   # room for the others to take a lock
-print(sweeps)
-"""
 
 
 class Snap:
@@ -135,7 +118,7 @@ class StoreOperations(RuleBasedStateMachine):
                 [_PACKAGE_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                    if p]))
             self.sweeper = subprocess.Popen(
-                [sys.executable, "-c", _SWEEPER, str(self.stop_file), "120",
+                [sys.executable, "-c", SWEEPER, str(self.stop_file), "120",
                  str(self.dir / "a"), str(self.dir / "b")],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                 start_new_session=True)

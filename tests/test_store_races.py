@@ -34,6 +34,7 @@ import pytest
 import blockdiff
 from blockdiff.store import Store
 from scenarios import make_base_image
+from sweeper import SWEEPER
 
 BLOCK = 4096
 SIZE = 8 * 1024 * 1024
@@ -152,6 +153,13 @@ class Race:
         for thread in self.threads:
             thread.join(RACE_BUDGET + CALL_TIMEOUT)
 
+    def problems(self) -> list[str]:
+        """What went wrong in the race itself: errors of its threads, lateness."""
+        problems = list(self.errors)
+        if self.late:
+            problems.append(f"the race did not finish within {RACE_BUDGET} s")
+        return problems
+
     def close(self) -> None:
         self.stop.set()
         with self.lock:
@@ -241,31 +249,11 @@ def _check_store(problems: list[str], store_dir: Path, expected: dict[str, str],
     return listed
 
 
-# gc without a policy (only the sweep) through the library, many times a second
-# where a process per gc manages a few: it does what `blockdiff gc` does, more
-# often. It stops when the file argv[1] exists, when its parent is gone, or
-# after argv[2] seconds; it prints how many sweeps it made.
-_SWEEPER = r"""
-import os, random, sys, time
-from blockdiff.retention import Policy
-from blockdiff.store import Store
-
-stop, limit, parent = sys.argv[1], time.monotonic() + float(sys.argv[2]), os.getppid()
-stores = [Store(path) for path in sys.argv[3:]]
-rng = random.Random(0)
-sweeps = 0
-while not os.path.exists(stop) and time.monotonic() < limit and os.getppid() == parent:
-    for store in stores:
-        store.gc(Policy())
-    sweeps += 1
-    time.sleep(rng.uniform(0.001, 0.005))   # room for the others to take a lock
-print(sweeps)
-"""
 
 
 def _start_sweeper(race: Race, scratch: Path, *stores):
     stop = scratch / "stop-sweeper"
-    return race.background(_SWEEPER, stop, RACE_BUDGET + CALL_TIMEOUT, *stores), stop
+    return race.background(SWEEPER, stop, RACE_BUDGET + CALL_TIMEOUT, *stores), stop
 
 
 def _sweeper_problems(proc: subprocess.CompletedProcess) -> list[str]:
@@ -329,9 +317,7 @@ def test_gc_racing_commits(xfs, gc_args):
     finally:
         race.close()
 
-    problems = list(race.errors)
-    if race.late:
-        problems.append(f"the race did not finish within {RACE_BUDGET} s")
+    problems = race.problems()
     _no_tracebacks(problems, [(f"commit of {name}", p) for name, _, p in commits] + gcs)
     expected = {}
     for name, digest, proc in commits:
@@ -409,9 +395,7 @@ def test_rm_racing_commits_on_one_line(xfs):
     finally:
         race.close()
 
-    problems = list(race.errors)
-    if race.late:
-        problems.append(f"the race did not finish within {RACE_BUDGET} s")
+    problems = race.problems()
     _no_tracebacks(problems, [("commit", p) for _, p in commits]
                    + [(f"rm {v}", p) for v, p in rms] + logs)
     expected = {}
@@ -524,9 +508,7 @@ def test_import_racing_restores_and_gc(xfs):
     finally:
         race.close()
 
-    problems = list(race.errors)
-    if race.late:
-        problems.append(f"the race did not finish within {RACE_BUDGET} s")
+    problems = race.problems()
     _no_tracebacks(problems, [(f"import {i}", p) for i, p in imports]
                    + [(f"restore {i}", p) for i, p, _ in restores] + gcs)
     for snap_id, proc in imports:
@@ -589,9 +571,7 @@ def test_compact_racing_gc(xfs):
     finally:
         race.close()
 
-    problems = list(race.errors)
-    if race.late:
-        problems.append(f"the race did not finish within {RACE_BUDGET} s")
+    problems = race.problems()
     _no_tracebacks(problems, [(f"compact {i}", p) for i, p in compacts] + gcs)
     for snap_id, proc in compacts:
         if proc.returncode != 0:

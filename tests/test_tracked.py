@@ -196,7 +196,8 @@ def maps_and_ranges(draw):
     """A base extent map, intervals, and a file that is the base outside them."""
     blocks = draw(st.integers(1, 64))
     size = blocks * BLOCK - draw(st.integers(0, BLOCK - 1))
-    cuts = sorted(set(draw(st.lists(st.integers(1, blocks - 1), max_size=12)))) if blocks > 1 else []
+    cuts = (sorted(set(draw(st.lists(st.integers(1, blocks - 1), max_size=12))))
+            if blocks > 1 else [])
     edges = [0, *cuts, blocks]
     logical, physical, length, flags = [], [], [], []
     for a, b in zip(edges[:-1], edges[1:]):
