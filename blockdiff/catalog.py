@@ -48,8 +48,9 @@ MIGRATIONS = [
     ALTER TABLE snapshots ADD COLUMN map_base INTEGER REFERENCES snapshots(seq);
     CREATE INDEX snapshots_map_base ON snapshots(map_base);
     """,
-    # 3: a row for every layer file: the CRC32C of each chunk of its data
-    # (kept while any snapshot uses the layer, whoever owned it), where a
+    # 3: a row for every layer file: the runs of data it holds and the CRC32C
+    # of each chunk of them, ``chunk`` bytes long (kept while any snapshot
+    # uses the layer, whoever owned it), where a
     # compaction layer's bytes came from, and when it was last checked whole.
     # ``refs`` is the number of layer_refs rows a snapshot must have, so that
     # lost references are noticed before a layer still in use is deleted;
@@ -57,7 +58,9 @@ MIGRATIONS = [
     """
     CREATE TABLE layers (
         layer INTEGER PRIMARY KEY,
-        chunks BLOB NOT NULL,
+        ranges BLOB NOT NULL,
+        chunk INTEGER NOT NULL,
+        crcs BLOB NOT NULL,
         origin BLOB,
         checked REAL NOT NULL DEFAULT 0,
         stat TEXT NOT NULL DEFAULT ''
@@ -116,7 +119,9 @@ class LayerRecord:
     """What the catalog keeps about one layer file."""
 
     layer: int
-    chunks: bytes            # CHUNK_DTYPE records, sorted by position
+    ranges: bytes            # (position, length) of each run of data, u64 pairs, sorted
+    chunk: int               # the runs are checksummed in chunks of this many bytes
+    crcs: bytes              # the CRC32C of each chunk, u32, in order
     origin: bytes | None = None   # compaction layer: the pieces it copies (see store)
     checked: float = 0.0     # when every chunk last matched its checksum
     stat: str = ""           # the file's identity at that time
@@ -257,13 +262,15 @@ class Catalog:
 
     def add_layer(self, db, record: LayerRecord) -> None:
         """Record a new layer file inside an open transaction."""
-        db.execute("INSERT INTO layers (layer, chunks, origin, checked, stat) "
-                   "VALUES (?, ?, ?, ?, ?)",
-                   (record.layer, record.chunks, record.origin, record.checked, record.stat))
+        db.execute("INSERT INTO layers (layer, ranges, chunk, crcs, origin, checked, stat) "
+                   "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                   (record.layer, record.ranges, record.chunk, record.crcs, record.origin,
+                    record.checked, record.stat))
 
     def layer(self, layer: int) -> LayerRecord | None:
         """The record of one layer, or None."""
-        row = self.db.execute("SELECT layer, chunks, origin, checked, stat FROM layers "
+        row = self.db.execute("SELECT layer, ranges, chunk, crcs, origin, checked, stat "
+                              "FROM layers "
                               "WHERE layer = ?", (int(layer),)).fetchone()
         return LayerRecord(*row) if row else None
 

@@ -38,6 +38,7 @@ import struct
 import threading
 import time
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,9 +85,10 @@ LAYER_CACHE = 4096   # layer records kept per Store
 # at most MAP_CHAIN files.
 MAP_CHAIN = 8
 # Layer data is checksummed in chunks of at most this many bytes, so that a
-# restore checks what it rewrites by reading little more than that.
-CHUNK = 64 * 1024
-CHUNK_DTYPE = np.dtype([("pos", "<u8"), ("length", "<u8"), ("crc", "<u4")])
+# restore checks what it rewrites by reading little more than that (a 4 KiB
+# block of a big layer: 16 KiB), for a record of 4 bytes a chunk.
+CHUNK = 16 * 1024
+RUN_DTYPE = np.dtype([("pos", "<u8"), ("length", "<u8")])
 PIECE_DTYPE = np.dtype([("offset", "<u8"), ("length", "<u8"), ("layer", "<i8"), ("pos", "<u8")])
 # A fork or an export reads a layer whole to check it unless its file is
 # unchanged since a whole check passed (at its commit, or by verify) at most
@@ -204,9 +206,11 @@ def _encode_map(m: SnapshotMap, delta: MapDelta | None = None) -> bytes:
     return buf.getvalue()
 
 
-# What decoding a map file that is not one can raise (numpy's npz reader).
+# What decoding a map file that is not one can raise (numpy's npz reader and
+# the zipfile module under it; RuntimeError covers its unsupported methods,
+# versions and encryption).
 MAP_ERRORS = (ValueError, KeyError, OSError, EOFError, struct.error, zipfile.BadZipFile,
-              MemoryError)
+              zlib.error, RuntimeError, MemoryError)
 
 
 def _decode_map(raw: bytes) -> tuple[SnapshotMap, MapDelta | None]:
@@ -249,27 +253,72 @@ def _delta_on(parent: str, parent_map: SnapshotMap, changes, size: int) -> MapDe
     return MapDelta(parent, *union(starts, ends))
 
 
-def _chunked(src: np.ndarray, dst: np.ndarray, length: np.ndarray):
-    """Ranges cut into chunks of at most CHUNK bytes: ``(src, dst, length)``."""
+def _chunked(src: np.ndarray, dst: np.ndarray, length: np.ndarray, chunk: int = CHUNK):
+    """Ranges cut into chunks of at most ``chunk`` bytes: ``(src, dst, length)``."""
     length = length.astype(np.uint64)
-    count = ((length + np.uint64(CHUNK - 1)) // np.uint64(CHUNK)).astype(np.int64)
+    count = ((length + np.uint64(chunk - 1)) // np.uint64(chunk)).astype(np.int64)
     index = np.repeat(np.arange(len(length)), count)
     first = np.cumsum(count) - count
     step = (np.arange(int(count.sum()), dtype=np.int64) - np.repeat(first, count))
-    offset = step.astype(np.uint64) * np.uint64(CHUNK)
-    part = np.minimum(np.uint64(CHUNK), length[index] - offset)
+    offset = step.astype(np.uint64) * np.uint64(chunk)
+    part = np.minimum(np.uint64(chunk), length[index] - offset)
     return src[index] + offset, dst[index] + offset, part
 
 
 def _chunk_record(layer: int, fd: int, path, src, dst, length, stat: str = "") -> LayerRecord:
     """The record of a layer whose data is the ranges ``src`` of an open file,
     to be kept at ``dst`` in the layer: each chunk's checksum, read from ``fd``."""
-    c_src, c_dst, c_len = _chunked(src, dst, length)
+    order = np.argsort(dst, kind="stable")
+    src, dst, length = src[order], dst[order], length[order]
+    c_src, _, c_len = _chunked(src, dst, length)
     crcs, _ = native.transfer_ranges(fd, -1, c_src, None, c_len, path, checksums=True)
-    rows = np.empty(len(c_len), CHUNK_DTYPE)
-    rows["pos"], rows["length"], rows["crc"] = c_dst, c_len, crcs
-    rows.sort(order="pos")
-    return LayerRecord(int(layer), rows.tobytes(), None, time.time(), stat)
+    runs = np.empty(len(dst), RUN_DTYPE)
+    runs["pos"], runs["length"] = dst, length
+    return LayerRecord(int(layer), runs.tobytes(), CHUNK, crcs.astype("<u4").tobytes(), None,
+                       time.time(), stat)
+
+
+_NO_CHUNKS = (np.zeros(0, np.uint64), np.zeros(0, np.uint64))
+
+
+class _Chunks:
+    """A layer's checksummed chunks, sorted by position, with what finding
+    the chunks that hold some runs needs."""
+
+    def __init__(self, record: LayerRecord):
+        if len(record.ranges) % RUN_DTYPE.itemsize or len(record.crcs) % 4 or record.chunk < 1:
+            raise ValueError("malformed layer record")
+        runs = np.frombuffer(record.ranges, RUN_DTYPE)
+        pos, _, length = _chunked(runs["pos"], runs["pos"], runs["length"], record.chunk)
+        self.crc = np.frombuffer(record.crcs, "<u4")
+        if len(self.crc) != len(pos) or np.any(pos[1:] < pos[:-1] + length[:-1]):
+            raise ValueError("malformed layer record")
+        self.pos, self.length = pos, length
+        self.end = pos + length
+        self.before = np.concatenate(([0], np.cumsum(length, dtype=np.uint64)))
+
+    def holding(self, pos: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, int]:
+        """Indices of the chunks holding the runs, and how many runs lie
+        (partly) outside every chunk."""
+        start, end = union(pos, pos + length)
+        if not len(start):
+            return np.zeros(0, np.int64), 0
+        first = np.searchsorted(self.end, start, side="right")
+        last = np.searchsorted(self.pos, end, side="left")
+        spans = last > first
+        safe_first = np.minimum(first, len(self.pos) - 1) if len(self.pos) else first
+        safe_last = np.maximum(last - 1, 0)
+        # Held when chunks [first, last) start at or before the run, end at or
+        # after it, and touch one another (their lengths add up to their span).
+        held = spans.copy()
+        if len(self.pos):
+            held &= ((self.pos[safe_first] <= start) & (self.end[safe_last] >= end)
+                     & (self.before[last] - self.before[first]
+                        == self.end[safe_last] - self.pos[safe_first]))
+        count = np.where(held, last - first, 0)
+        index = (np.repeat(first - np.cumsum(count) + count, count)
+                 + np.arange(int(count.sum())))
+        return np.unique(index), int((~held).sum())
 
 
 def _file_identity(path: Path) -> str:
@@ -390,6 +439,7 @@ class Store:
         # can be reused for as long as the store is open; so can a layer's record.
         self._maps: dict[str, SnapshotMap] = {}
         self._layers: dict[int, LayerRecord] = {}
+        self._chunk_tables: dict[int, _Chunks] = {}
         self._maps_lock = threading.Lock()
         self._held = threading.local()
         self._adopt_unrecorded_layers()
@@ -629,43 +679,50 @@ class Store:
     def _forget_layer(self, layer: int) -> None:
         with self._maps_lock:
             self._layers.pop(int(layer), None)
+            self._chunk_tables.pop(int(layer), None)
 
-    def _chunks(self, layer: int) -> np.ndarray:
-        raw = self.layer_record(layer).chunks
-        if len(raw) % CHUNK_DTYPE.itemsize:
+    def _chunks(self, layer: int) -> _Chunks:
+        layer = int(layer)
+        with self._maps_lock:
+            known = self._chunk_tables.get(layer)
+        if known is not None:
+            return known
+        try:
+            table = _Chunks(self.layer_record(layer))
+        except ValueError:
             raise Damaged(f"the catalog's record of layer {_layer_name(layer)} is damaged; "
-                          f"run: blockdiff verify --store {self.root}")
-        return np.frombuffer(raw, CHUNK_DTYPE)
+                          f"run: blockdiff verify --store {self.root}") from None
+        with self._maps_lock:
+            self._chunk_tables[layer] = table
+            while len(self._chunk_tables) > LAYER_CACHE:
+                del self._chunk_tables[next(iter(self._chunk_tables))]
+        return table
 
     def _bad_chunks(self, layer: int, pos: np.ndarray | None = None,
-                    length: np.ndarray | None = None) -> tuple[np.ndarray, int, str]:
+                    length: np.ndarray | None = None) -> tuple[tuple, int, str]:
         """Check a layer's chunks: all of them, or those holding the runs
-        ``pos``/``length``. Returns ``(bad chunks, bytes read, problem)``;
+        ``pos``/``length`` (found by binary search: the cost follows the runs,
+        not the layer). Returns ``((position, length) of the bad chunks,
+        bytes read, problem)``;
         ``problem`` names what makes the runs unreadable (a missing file,
         runs no chunk holds), else it is empty."""
-        chunks = self._chunks(layer)
-        c_pos, c_len = chunks["pos"], chunks["length"]
-        c_end = c_pos + c_len
+        table = self._chunks(layer)
+        index = np.arange(len(table.pos))
         if pos is not None:
-            start, end = union(pos, pos + length)
-            loose, _ = subtract(start, end, c_pos, c_end)
-            if len(loose):
-                return chunks[:0], 0, (f"{_layer_name(layer)}: {len(loose)} range(s) in no "
+            index, loose = table.holding(pos, length)
+            if loose:
+                return _NO_CHUNKS, 0, (f"{_layer_name(layer)}: {loose} range(s) in no "
                                        f"checksummed chunk")
-            first = np.searchsorted(c_end, start, side="right")
-            last = np.searchsorted(c_pos, end, side="left")
-            marks = np.zeros(len(chunks) + 1, np.int64)
-            np.add.at(marks, first, 1)
-            np.add.at(marks, last, -1)
-            chunks = chunks[np.cumsum(marks)[:-1] > 0]
         path = self.layer_path(layer)
+        c_pos, c_len = table.pos[index], table.length[index]
         try:
             with open(path, "rb") as f:
-                crcs, _ = native.transfer_ranges(f.fileno(), -1, chunks["pos"], None,
-                                                 chunks["length"], path, checksums=True)
+                crcs, _ = native.transfer_ranges(f.fileno(), -1, c_pos, None, c_len, path,
+                                                 checksums=True)
         except OSError as e:
-            return chunks[:0], 0, f"{path.name}: {e.strerror or e}"
-        return chunks[crcs != chunks["crc"]], int(chunks["length"].sum()), ""
+            return _NO_CHUNKS, 0, f"{path.name}: {e.strerror or e}"
+        bad = crcs != table.crc[index]
+        return (c_pos[bad], c_len[bad]), int(c_len.sum()), ""
 
     def _vouched(self, layer: int) -> bool:
         """Whether a layer's file is unchanged since a whole check passed
@@ -696,8 +753,8 @@ class Store:
             else:
                 bad, n, problem = self._bad_chunks(layer, pieces.pos[sel], pieces.length[sel])
             read += n
-            if problem or len(bad):
-                what = problem or (f"{_layer_name(layer)}: {len(bad)} chunk(s) fail their "
+            if problem or len(bad[0]):
+                what = problem or (f"{_layer_name(layer)}: {len(bad[0])} chunk(s) fail their "
                                    f"checksum")
                 raise Damaged(f"snapshot {snap.id} is damaged ({what}); nothing was "
                               f"written; run: blockdiff verify --store {self.root}")
@@ -1331,7 +1388,7 @@ class Store:
             problems["catalog"] = catalog
         with self._shared():
             snaps = [self.get(snapshot_id)] if snapshot_id else self.catalog.all()
-            checked: dict[int, tuple[list[str], np.ndarray]] = {}
+            checked: dict[int, tuple[list[str], tuple]] = {}
             for snap in snaps:
                 found: list[str] = []
                 path = self.map_path(snap)
@@ -1352,9 +1409,9 @@ class Store:
                         checked[layer] = self._check_layer(layer)
                     layer_problems, bad = checked[layer]
                     found += layer_problems
-                    if len(bad):
+                    if len(bad[0]):
                         hit = _overlapping(smap.pieces.pos[sel], smap.pieces.length[sel],
-                                           bad["pos"], bad["length"])
+                                           *bad)
                         if hit:
                             found.append(f"{_layer_name(layer)}: {hit} of its bytes are in "
                                          f"chunks that fail their checksum")
@@ -1362,20 +1419,20 @@ class Store:
                     problems[snap.id] = sorted(set(found))
         return problems
 
-    def _check_layer(self, layer: int) -> tuple[list[str], np.ndarray]:
+    def _check_layer(self, layer: int) -> tuple[list[str], tuple]:
         """A layer's problems and its bad chunks; vouches for it if it has none."""
         path = self.layer_path(layer)
         if not path.exists():
-            return [f"layer {path.name} is missing"], np.zeros(0, CHUNK_DTYPE)
+            return [f"layer {path.name} is missing"], _NO_CHUNKS
         problems = [f"{path.name} is writable"] if os.stat(path).st_mode & 0o222 else []
         try:
             identity = _file_identity(path)
             bad, _, problem = self._bad_chunks(layer)
         except Damaged as e:
-            return problems + [str(e).split(";")[0]], np.zeros(0, CHUNK_DTYPE)
+            return problems + [str(e).split(";")[0]], _NO_CHUNKS
         if problem:
             problems.append(problem)
-        if not problems and not len(bad):
+        if not problems and not len(bad[0]):
             self.catalog.mark_checked(layer, time.time(), identity)
             self._forget_layer(layer)
         return problems, bad
