@@ -160,6 +160,20 @@ def transfer_ranges(src_fd: int, dst_fd: int, src_off: np.ndarray,
     return crcs, int(cloned[0])
 
 
+def chunk_crcs(fd: int, offset: np.ndarray, length: np.ndarray, chunk: int,
+               path: str | os.PathLike) -> np.ndarray:
+    """The CRC32C of every ``chunk``-byte chunk of the ranges (a range's last
+    chunk may be shorter), range by range, read a buffer at a time.
+    Errors: ENODATA (the file is shorter than a range), EIO."""
+    offset = np.ascontiguousarray(offset, _U64)
+    length = np.ascontiguousarray(length, _U64)
+    count = int(((length + _U64(chunk - 1)) // _U64(chunk)).sum()) if len(length) else 0
+    crcs = np.zeros(count, np.uint32)
+    _check(lib.bd_chunk_crcs(fd, _u64(offset), _u64(length), len(offset), chunk,
+                             ffi.from_buffer("uint32_t[]", crcs)), path)
+    return crcs
+
+
 def zero_ranges(fd: int, offset: np.ndarray, length: np.ndarray, path: str | os.PathLike) -> None:
     """Make ranges read as zeros, by punching holes where possible."""
     offset = np.ascontiguousarray(offset, _U64)

@@ -270,8 +270,7 @@ def _chunk_record(layer: int, fd: int, path, src, dst, length, stat: str = "") -
     to be kept at ``dst`` in the layer: each chunk's checksum, read from ``fd``."""
     order = np.argsort(dst, kind="stable")
     src, dst, length = src[order], dst[order], length[order]
-    c_src, _, c_len = _chunked(src, dst, length)
-    crcs, _ = native.transfer_ranges(fd, -1, c_src, None, c_len, path, checksums=True)
+    crcs = native.chunk_crcs(fd, src, length, CHUNK, path)
     runs = np.empty(len(dst), RUN_DTYPE)
     runs["pos"], runs["length"] = dst, length
     return LayerRecord(int(layer), runs.tobytes(), CHUNK, crcs.astype("<u4").tobytes(), None,

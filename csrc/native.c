@@ -166,6 +166,46 @@ static int copy_buffered(int src_fd, uint64_t src_off, int dst_fd,
     return 0;
 }
 
+/* CRC32C of every chunk of n ranges: each range is cut into chunks of
+ * `chunk` bytes (its last one shorter), read a buffer at a time, with the
+ * next window of ranges prefetched. crcs gets one value per chunk, range by
+ * range. chunk must divide COPY_BUFFER. */
+int bd_chunk_crcs(int fd, const uint64_t *off, const uint64_t *len, size_t n,
+                  uint64_t chunk, uint32_t *crcs)
+{
+    if (chunk == 0 || COPY_BUFFER % chunk)
+        return -EINVAL;
+    uint8_t *buf = malloc(COPY_BUFFER);
+    if (!buf)
+        return -ENOMEM;
+    int rc = 0;
+    size_t out = 0, prefetched = 0;
+    for (size_t i = 0; i < n && !rc; i++) {
+        if (i == prefetched) {
+            uint64_t bytes = 0;
+            size_t j = i;
+            while (j < n && (bytes < PREFETCH_WINDOW || j == i))
+                bytes += len[j++];
+            prefetch(fd, off + i, len + i, j - i, 0);
+            prefetched = j;
+        }
+        uint64_t at = off[i], left = len[i];
+        while (left) {
+            size_t step = left < COPY_BUFFER ? (size_t)left : COPY_BUFFER;
+            if ((rc = read_at(fd, buf, step, at, 0)))
+                break;
+            for (size_t k = 0; k < step; k += chunk) {
+                size_t part = step - k < chunk ? step - k : (size_t)chunk;
+                crcs[out++] = bd_crc32c(0, buf + k, part);
+            }
+            at += step;
+            left -= step;
+        }
+    }
+    free(buf);
+    return rc;
+}
+
 static int refused_by_kernel(int err)
 {
     return err == EXDEV || err == EOPNOTSUPP || err == ENOSYS ||

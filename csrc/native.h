@@ -52,6 +52,11 @@ int bd_transfer_ranges(int src_fd, int dst_fd, const uint64_t *src_off,
                        const uint64_t *dst_off, const uint64_t *len, size_t n,
                        int mode, uint32_t *crcs, size_t *done, size_t *cloned);
 
+/* CRC32C of every chunk-byte chunk of n ranges (a range's last chunk may be
+ * shorter), one per chunk, range by range; chunk must divide 1 MiB. */
+int bd_chunk_crcs(int fd, const uint64_t *off, const uint64_t *len, size_t n,
+                  uint64_t chunk, uint32_t *crcs);
+
 /* Make n ranges read as zeros: punch holes (FALLOC_FL_PUNCH_HOLE), falling
  * back to writing zeros where the filesystem cannot punch. */
 int bd_zero_ranges(int fd, const uint64_t *off, const uint64_t *len, size_t n);
