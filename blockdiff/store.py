@@ -476,6 +476,8 @@ class Store:
                 os.chown(root, -1, gid)
             os.chmod(root, dir_mode)
             mode = cls._probe_reflink(root, allow_copy)
+            os.close(os.open(root / "lock", os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC,
+                             0o600 if gid is None else 0o640))
             for name in ("objects", "staging"):
                 (root / name).mkdir(exist_ok=True)
                 os.chmod(root / name, dir_mode)
@@ -560,7 +562,8 @@ class Store:
         depth = getattr(self._held, "shared", 0)
         if kind == fcntl.LOCK_EX and depth:
             raise RuntimeError("the exclusive store lock was asked for under the shared one")
-        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, self.file_mode)
+        # Read-only is enough for flock, and lets a group member take the lock.
+        fd = os.open(self.root / "lock", os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, self.file_mode)
         try:
             fcntl.flock(fd, kind)
             if kind == fcntl.LOCK_SH:
