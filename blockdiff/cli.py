@@ -116,7 +116,7 @@ def main():
               help="v2: checksums, zero ranges, base identity. v1: CognitionAI's BDIFFv1.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing on success.")
 @reports_errors
-def create(out, target, base, fmt, quiet):
+def create(out, target, base, fmt, base_digest, quiet):
     """Write a diff of TARGET against BASE to OUT.
 
     Changed blocks are found from the filesystem's extent maps and reflinked
@@ -129,12 +129,15 @@ def create(out, target, base, fmt, quiet):
     from blockdiff.engine import create_diff
     from blockdiff.view import human_size as _size
 
-    result = create_diff(out, target, base, format=fmt)
+    result = create_diff(out, target, base, format=fmt, base_digest=base_digest)
     _notes(result.notes)
     if not quiet:
         click.echo(f"{out}: {fmt}, {result.ranges} ranges, {_size(result.data_bytes)} data, "
                    f"{_size(result.zero_bytes)} zeros, target {_size(result.target_size)} "
                    f"({result.method}, {result.reflinked} ranges reflinked)")
+@click.option("--base-digest", is_flag=True,
+              help="v2: also record a digest of the whole base (read in full), which "
+                   "apply --verify-base checks.")
 
 
 @main.command()
@@ -144,11 +147,12 @@ def create(out, target, base, fmt, quiet):
               help="The image the diff was made against (never modified).")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing on success.")
 @reports_errors
-def apply(diff, target, base, quiet):
+def apply(diff, target, base, verify_base, quiet):
     """Rebuild TARGET from BASE and the diff IN.
 
-    The diff and the base are verified before anything is written; TARGET is
-    replaced atomically.
+    The diff (checksums) and the base (size, sampled fingerprint, snapshot id;
+    all of it with --verify-base) are checked before anything is written;
+    TARGET is replaced atomically.
 
     \b
     Example:
@@ -157,12 +161,15 @@ def apply(diff, target, base, quiet):
     from blockdiff.engine import apply_diff
     from blockdiff.view import human_size as _size
 
-    result = apply_diff(diff, target, base)
+    result = apply_diff(diff, target, base, verify_base=verify_base)
     _notes(result.notes)
     if not quiet:
         click.echo(f"{target}: {_size(result.target_size)} from v{result.version} diff, "
                    f"{result.ranges} ranges ({result.reflinked} reflinked)")
 
+@click.option("--verify-base", is_flag=True,
+              help="Also read the whole base and compare it with the digest the diff records "
+                   "(a diff made with create --base-digest).")
 
 @main.command()
 @click.argument("path", metavar="IN", type=click.Path(dir_okay=False))

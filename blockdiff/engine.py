@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 from dataclasses import dataclass, field
 
@@ -206,19 +207,21 @@ def compare_contents(target_fd: int, target_path: str, base_fd: int | None) -> R
 
 def create_diff(out: str | os.PathLike, target: str | os.PathLike,
                 base: str | os.PathLike | None = None, *, format: str = "v2",
-                target_id: bytes | None = None) -> CreateResult:
+                target_id: bytes | None = None, base_digest: bool = False) -> CreateResult:
     """Write a diff of ``target`` against ``base`` (or of target alone) to ``out``.
 
     ``format`` is "v2" (default: zero ranges, base identity, checksums) or
     "v1" (CognitionAI's BDIFFv1). Data is reflinked into ``out`` when it is on
     the target's filesystem and copied otherwise. ``out`` appears complete or
-    not at all.
+    not at all. ``base_digest`` (v2) also records a digest of the whole base,
+    read in full, for ``apply_diff(..., verify_base=True)``.
     """
     if format not in FORMATS:
         raise UsageError(f"unknown diff format {format!r}; use one of {', '.join(FORMATS)}")
     out, target = os.fspath(out), os.fspath(target)
     base = None if base is None else os.fspath(base)
     _refuse_same_file(out, "OUT", {"TARGET": target, "BASE": base})
+    _refuse_same_file(target, "TARGET", {"BASE": base})   # a diff of nothing, by mistake
     version = 1 if format == "v1" else 2
     with contextlib.ExitStack() as stack:
         target_fd = stack.enter_context(_open(target))
@@ -259,7 +262,9 @@ def create_diff(out: str | os.PathLike, target: str | os.PathLike,
                 fingerprint_samples=0 if base_fd is None else identity.FINGERPRINT_SAMPLES,
                 base_id=(fmt.NO_ID if base_fd is None
                          else identity.read_snapshot_id(base_fd) or fmt.NO_ID),
-                target_id=new_id)
+                target_id=new_id,
+                base_digest=(whole_base_digest(base_fd, base_size, base)
+                             if base_digest and base_fd is not None else None))
             head = fmt.encode_v2(header)
         os.pwrite(out_fd, head, 0)
         # Sets the size exactly, leaving unwritten parts (v1 zero ranges) as holes.
@@ -284,8 +289,28 @@ def _v1_table(ranges: RangeSet) -> RangeSet:
 # ------------------------------------------------------------------- apply
 
 
+def whole_base_digest(fd: int, size: int, path: str) -> bytes:
+    """BLAKE2b-256 (personalisation ``blockdiff-whole``) of the base size as 8
+    little-endian bytes and then every byte of the base: what a v2.1 diff
+    records with ``create --base-digest`` and ``apply --verify-base`` compares."""
+    h = hashlib.blake2b(size.to_bytes(8, "little"), digest_size=fmt.BASE_DIGEST_SIZE,
+                        person=b"blockdiff-whole")
+    buffer = bytearray(8 << 20)
+    view, offset = memoryview(buffer), 0
+    while offset < size:
+        n = os.preadv(fd, [view[:min(len(buffer), size - offset)]], offset)
+        if n == 0:
+            raise OSError(errno.EIO, "the base ended before its size while it was read", path)
+        h.update(view[:n])
+        offset += n
+    return h.digest()
+
+
 def _check_base(header: fmt.DiffHeader, diff: str, base_fd: int | None,
-                base: str | None) -> None:
+                base: str | None, verify_base: bool = False) -> None:
+    if verify_base and header.version == 1:
+        raise UsageError(f"{diff} is a v1 diff, which records only its base's size; "
+                         f"--verify-base needs a v2 diff made with --base-digest")
     if base_fd is None:
         if header.version == 2 and header.has_base:
             raise UsageError(f"{diff} was made against a base of {header.base_size} bytes; "
@@ -308,6 +333,16 @@ def _check_base(header: fmt.DiffHeader, diff: str, base_fd: int | None,
     if actual != header.base_fingerprint:
         raise WrongBase(f"{base} is not the base of {diff}: its content fingerprint differs; "
                         f"pass the base the diff was made from")
+    if not verify_base:
+        return
+    if header.base_digest is None:
+        raise UsageError(f"{diff} records no digest of its whole base (it was made without "
+                         f"--base-digest), so the base can be checked only by its size, "
+                         f"fingerprint and snapshot id; apply it without --verify-base, or "
+                         f"make the diff again with: blockdiff create --base-digest")
+    if whole_base_digest(base_fd, base_size, base) != header.base_digest:
+        raise WrongBase(f"{base} is not the base of {diff}: read in full, its content differs "
+                        f"from the base the diff was made from; pass the right base")
 
 
 def verify_data(diff_fd: int, header: fmt.DiffHeader, diff: str) -> None:
@@ -372,12 +407,17 @@ def _check_file_size(fd: int, header: fmt.DiffHeader, diff: str, target: str,
 
 
 def apply_diff(diff: str | os.PathLike, target: str | os.PathLike,
-               base: str | os.PathLike | None = None) -> ApplyResult:
+               base: str | os.PathLike | None = None, *,
+               verify_base: bool = False) -> ApplyResult:
     """Rebuild the target a diff describes, at ``target``, from ``base``.
 
-    Verifies the diff (header, table, v2 data checksums) and the base (size,
-    fingerprint, snapshot id) before writing anything. Never modifies
-    ``base``; ``target`` is replaced atomically or left as it was.
+    Verifies the diff (header, table, v2 data checksums) and the base before
+    writing anything: its size; for v2 its fingerprint (256 sampled blocks, so
+    a base that differs only elsewhere passes) and, when both sides know it,
+    its snapshot id. ``verify_base`` also reads the whole base and compares it
+    with the digest a diff made with ``base_digest=True`` records (refused,
+    ``UsageError``, for a diff without one). Never modifies ``base``;
+    ``target`` is replaced atomically or left as it was.
     """
     diff, target = os.fspath(diff), os.fspath(target)
     base = None if base is None else os.fspath(base)
@@ -387,7 +427,7 @@ def apply_diff(diff: str | os.PathLike, target: str | os.PathLike,
         diff_fd = stack.enter_context(_open(diff))
         header = fmt.read_header(diff_fd, diff)
         base_fd = None if base is None else stack.enter_context(_open(base))
-        _check_base(header, diff, base_fd, base)
+        _check_base(header, diff, base_fd, base, verify_base)
         _check_capacity(header, diff, target)
         verify_data(diff_fd, header, diff)
 

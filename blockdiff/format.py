@@ -24,6 +24,8 @@ V1_ALIGN = 4096
 V2_VERSION = 2
 V2_HEADER_SIZE = 192
 V2_FLAG_HAS_BASE = 1
+V2_FLAG_BASE_DIGEST = 2      # minor 1: a digest of the whole base at header bytes 128-159
+BASE_DIGEST_SIZE = 32
 NO_DATA = 0xFFFFFFFFFFFFFFFF
 NO_ID = bytes(16)
 
@@ -59,6 +61,7 @@ class DiffHeader:
     fingerprint_samples: int = 0
     base_id: bytes = NO_ID
     target_id: bytes = NO_ID
+    base_digest: bytes | None = None   # v2.1: BLAKE2b-256 of the whole base, if recorded
 
 
 def _round_up(value: int, align: int) -> int:
@@ -122,12 +125,15 @@ def encode_v2(header: DiffHeader) -> bytes:
     if header.crc is not None:
         table["crc"] = header.crc
     table_bytes = table.tobytes()
-    fields = [V2_MAGIC, V2_VERSION, 0, V2_HEADER_SIZE, header.block_size,
-              V2_FLAG_HAS_BASE if header.has_base else 0,
+    digest = header.base_digest
+    fields = [V2_MAGIC, V2_VERSION, 0 if digest is None else 1, V2_HEADER_SIZE,
+              header.block_size, (V2_FLAG_HAS_BASE if header.has_base else 0)
+              | (0 if digest is None else V2_FLAG_BASE_DIGEST),
               header.target_size, header.base_size, len(ranges), V2_HEADER_SIZE,
               header.data_offset, header.data_length,
               header.base_fingerprint, header.fingerprint_samples, 0,
-              header.base_id, header.target_id, bytes(56),
+              header.base_id, header.target_id,
+              (digest or b"").ljust(56, b"\0"),
               native.crc32c(table_bytes), 0]
     fixed = _V2_FIXED.pack(*fields)
     fields[-1] = native.crc32c(fixed[:-4])
@@ -326,4 +332,5 @@ def _read_v2(fd: int, path: str, file_size: int) -> DiffHeader:
         data_pos=data_pos, crc=table["crc"].astype(np.uint32),
         data_offset=data_offset, data_length=data_length, block_size=block_size,
         base_fingerprint=fingerprint, fingerprint_samples=samples,
-        base_id=base_id, target_id=target_id)
+        base_id=base_id, target_id=target_id,
+        base_digest=_pad[:BASE_DIGEST_SIZE] if flags & V2_FLAG_BASE_DIGEST else None)

@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import scenarios
-from blockdiff import engine
+from blockdiff import engine, native
 from blockdiff import format as fmt
-from blockdiff.errors import UsageError
+from blockdiff.errors import UsageError, WrongBase
 from blockdiff.extents import DATA, ZERO
 from scenarios import SCENARIOS, assert_same_bytes, make_base_image
 
@@ -215,6 +215,105 @@ def test_snapshot_ids_chain_through_apply(xfs):
     assert engine.read_diff(xfs / "2.bdiff").base_id == first.target_id
     engine.apply_diff(xfs / "2.bdiff", xfs / "s2.img", xfs / "s1.img")
     assert_same_bytes(xfs / "s2.img", later)
+
+
+
+def _unsampled_block(size: int) -> int:
+    """A block the base fingerprint does not read (see docs/format.md)."""
+    blocks = -(-size // BLOCK)
+    k = min(256, blocks)
+    sampled = {i * blocks // k for i in range(k)} | {blocks - 1}
+    return next(b for b in range(blocks // 2, blocks) if b not in sampled)
+
+
+def _base_one_block_off(base, path) -> None:
+    """A copy of ``base`` (same size) with one unsampled block rewritten."""
+    shutil.copyfile(base, path)
+    offset = _unsampled_block(os.path.getsize(base)) * BLOCK
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        old = f.read(BLOCK)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in old))
+
+
+def test_verify_base_refuses_a_base_differing_in_one_block(xfs):
+    base, target = xfs / "base.img", xfs / "target.img"
+    make_base_image(base, BASE_SIZE, 21)
+    SCENARIOS["random_4k_writes"](base, target, 21)
+    engine.create_diff(xfs / "d.bdiff", target, base, base_digest=True)
+    wrong = xfs / "wrong.img"
+    _base_one_block_off(base, wrong)
+    # Documented: without --verify-base only 256 sampled blocks are compared,
+    # so a base that differs only in an unsampled block is applied.
+    engine.apply_diff(xfs / "d.bdiff", xfs / "sampled.img", wrong)
+    assert _digest(xfs / "sampled.img") != _digest(target)
+    with pytest.raises(WrongBase, match="read in full"):
+        engine.apply_diff(xfs / "d.bdiff", xfs / "out.img", wrong, verify_base=True)
+    assert not (xfs / "out.img").exists()
+    engine.apply_diff(xfs / "d.bdiff", xfs / "out.img", base, verify_base=True)
+    assert_same_bytes(xfs / "out.img", target)
+
+
+def test_base_digest_is_format_v2_1_and_optional(xfs):
+    base, target = xfs / "base.img", xfs / "target.img"
+    make_base_image(base, BASE_SIZE, 22)
+    SCENARIOS["mixed"](base, target, 22)
+    engine.create_diff(xfs / "plain.bdiff", target, base)
+    engine.create_diff(xfs / "digest.bdiff", target, base, base_digest=True)
+    raw_plain = (xfs / "plain.bdiff").read_bytes()[:192]
+    raw = (xfs / "digest.bdiff").read_bytes()[:192]
+    # Without the digest the header is the v2.0 one, reserved bytes zero.
+    assert struct.unpack_from("<HHII", raw_plain, 8) == (2, 0, 192, 4096)
+    assert struct.unpack_from("<I", raw_plain, 20)[0] == fmt.V2_FLAG_HAS_BASE
+    assert raw_plain[128:184] == bytes(56)
+    # With it: minor 1, flag bit 1, the digest at 128-159, the rest still zero.
+    assert struct.unpack_from("<HH", raw, 8) == (2, 1)
+    assert struct.unpack_from("<I", raw, 20)[0] == fmt.V2_FLAG_HAS_BASE | fmt.V2_FLAG_BASE_DIGEST
+    expected = hashlib.blake2b(BASE_SIZE.to_bytes(8, "little") + base.read_bytes(),
+                               digest_size=32, person=b"blockdiff-whole").digest()
+    assert raw[128:160] == expected and raw[160:184] == bytes(24)
+    assert engine.read_diff(xfs / "digest.bdiff").base_digest == expected
+    assert engine.read_diff(xfs / "plain.bdiff").base_digest is None
+    # A reader that knows nothing of the digest (v2.0) sees the same diff.
+    old = bytearray((xfs / "digest.bdiff").read_bytes())
+    old[10:12] = b"\0\0"
+    old[20:24] = struct.pack("<I", fmt.V2_FLAG_HAS_BASE)
+    old[128:160] = bytes(32)
+    old[188:192] = struct.pack("<I", native.crc32c(bytes(old[:188])))
+    (xfs / "old.bdiff").write_bytes(bytes(old))
+    engine.apply_diff(xfs / "old.bdiff", xfs / "out.img", base)
+    assert_same_bytes(xfs / "out.img", target)
+    # --verify-base with a diff that records no digest (or a v1 diff) is refused.
+    with pytest.raises(UsageError, match="--base-digest"):
+        engine.apply_diff(xfs / "plain.bdiff", xfs / "x.img", base, verify_base=True)
+    engine.create_diff(xfs / "v1.bdiff", target, base, format="v1")
+    with pytest.raises(UsageError, match="v1"):
+        engine.apply_diff(xfs / "v1.bdiff", xfs / "x.img", base, verify_base=True)
+    assert not (xfs / "x.img").exists()
+
+
+def test_verify_base_on_the_command_line(xfs):
+    base, target = xfs / "base.img", xfs / "target.img"
+    make_base_image(base, BASE_SIZE, 23)
+    SCENARIOS["random_4k_writes"](base, target, 23)
+    _base_one_block_off(base, xfs / "wrong.img")
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "blockdiff", *map(str, args)],
+                              capture_output=True, text=True, cwd=xfs)
+
+    assert cli("create", "-q", "d.bdiff", target, "--base", base, "--base-digest").returncode == 0
+    assert cli("create", "-q", "plain.bdiff", target, "--base", base).returncode == 0
+    assert cli("apply", "-q", "d.bdiff", "a.img", "--base", "wrong.img").returncode == 0
+    refused = cli("apply", "d.bdiff", "b.img", "--base", "wrong.img", "--verify-base")
+    assert refused.returncode == 4 and "read in full" in refused.stderr
+    assert cli("apply", "plain.bdiff", "b.img", "--base", base,
+               "--verify-base").returncode == 2
+    assert not (xfs / "b.img").exists()
+    assert cli("apply", "-q", "d.bdiff", "b.img", "--base", base,
+               "--verify-base").returncode == 0
+    assert_same_bytes(xfs / "b.img", target)
 
 
 # ------------------------------------------------- interoperability with v1
