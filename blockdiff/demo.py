@@ -6,9 +6,13 @@ agent's commands run in a QEMU guest, the VM is checkpointed after each step,
 put back to an earlier step while it runs, and forked.
 
 Runs on a scratch XFS made on a loop device (or in a directory you give on a
-reflink filesystem). Every restore and fork is checked byte for byte against a
-SHA-256 taken of the live disk when it was committed. Progress is reported
-through a callback; this module never prints.
+reflink filesystem). Every snapshot is restored (as a fork, and the one put
+back in place) and checked byte for byte against a SHA-256 taken of the live
+disk when it was committed, and so are the branches and the import. In the VM
+part the guest's files are checked after each restore and fork, and the VM's
+last snapshot byte for byte against its disk. A check that fails raises
+``DemoCheckFailed`` (exit status 7 from ``blockdiff demo``), whatever Python's
+``-O``. Progress is reported through a callback; this module never prints.
 """
 
 from __future__ import annotations
@@ -24,10 +28,23 @@ from pathlib import Path
 from typing import Callable
 
 from blockdiff import native, scratch
+from blockdiff.errors import BlockdiffError
 from blockdiff.identity import sha256_file
 
 MiB = 1 << 20
 BLOCK = 4096
+
+
+class DemoCheckFailed(BlockdiffError):
+    """Something the demo restored differs from what it committed."""
+
+    exit_code = 7
+
+
+def check(condition: bool, message: str) -> None:
+    """A real check (not an ``assert``, which ``python3 -O`` drops)."""
+    if not condition:
+        raise DemoCheckFailed(f"demo check failed: {message}")
 
 
 @dataclass
@@ -99,8 +116,8 @@ def run(workdir: str | os.PathLike | None = None, *, size: int = 512 * MiB, step
 
     Without ``workdir`` it makes a scratch XFS on a loop device (needs root).
     With ``vm``, a sandbox VM built into ``vm_image`` (default: a cache
-    directory) runs agent steps too. Raises ``AssertionError`` if any restore
-    differs from what was snapshotted.
+    directory) runs agent steps too. Raises ``DemoCheckFailed`` if anything
+    restored differs from what was snapshotted.
     """
     from blockdiff.store import Store
     from blockdiff.view import render_tree
@@ -141,10 +158,22 @@ def run(workdir: str | os.PathLike | None = None, *, size: int = 512 * MiB, step
             emit(f"step {step}: {what}", seconds,
                  f"commit {snap.id}: {snap.ranges} ranges, {snap.changed_bytes // 1024} KiB")
 
+        # Every step, restored into a new file, is the disk as it was committed.
+        probe = root / "step-check.img"
+        start = time.perf_counter()
+        for step, snap in enumerate(snaps):
+            store.restore(snap.id, probe)
+            check(sha256_file(probe) == digests[snap.id],
+                  f"step {step} ({snap.id}) restored differs from the disk it was committed from")
+        probe.unlink()
+        emit(f"restore every step 0-{steps} into a new file", time.perf_counter() - start,
+             "each compared byte for byte (SHA-256) with the disk as it was committed")
+
         # Time travel: put the live disk back to an earlier step, in place.
         back = snaps[max(1, steps // 2)]
         result, seconds = timed(lambda: store.restore(back.id, disk))
-        assert sha256_file(disk) == digests[back.id], "restore differs"
+        check(sha256_file(disk) == digests[back.id],
+              f"the live disk restored in place to {back.id} differs from that step")
         emit(f"restore {back.id} ({back.message}) into the live disk", seconds,
              f"{result.ranges} ranges rewritten; verified byte for byte")
 
@@ -159,9 +188,9 @@ def run(workdir: str | os.PathLike | None = None, *, size: int = 512 * MiB, step
             expected = sha256_file(live)
             tip = store.commit(live, message=f"branch {branch}: {what}")
             digests[tip.id] = expected
-            check = root / f"check-{branch}.img"
-            store.restore(tip.id, check)
-            assert sha256_file(check) == expected, f"fork {branch} differs"
+            probe = root / f"check-{branch}.img"
+            store.restore(tip.id, probe)
+            check(sha256_file(probe) == expected, f"fork {branch} ({tip.id}) restored differs")
             emit(f"fork {branch} from {base.id}", seconds,
                  f"then {what}; committed as {tip.id} and verified")
         emit("the snapshot tree", detail=render_tree(store.log()).replace("\n", "\n" + " " * 13))
@@ -182,12 +211,13 @@ def run(workdir: str | os.PathLike | None = None, *, size: int = 512 * MiB, step
         other.import_(other_fs / "last.bdx")
         other.restore(last.id, other_fs / "disk.img")
         seconds = time.perf_counter() - start
-        assert sha256_file(other_fs / "disk.img") == digests[last.id], "imported snapshot differs"
+        check(sha256_file(other_fs / "disk.img") == digests[last.id],
+              f"the imported snapshot {last.id}, restored on btrfs, differs")
         emit(f"export step 1 whole and steps 2-{steps} as one increment, import on btrfs",
              seconds, f"{os.path.getsize(root / 'last.bdx') // 1024} KiB increment; "
              f"restored there and verified")
         problems = store.verify()
-        assert not problems, problems
+        check(not problems, f"verify found damage: {problems}")
         emit("verify: catalog and every checksum consistent")
 
         # For scale: what one full copy of the disk costs.
@@ -197,9 +227,9 @@ def run(workdir: str | os.PathLike | None = None, *, size: int = 512 * MiB, step
         with open(root / "full-copy.img", "rb") as f:
             os.fsync(f.fileno())
         emit("for comparison: one full copy of the disk", time.perf_counter() - start)
-        if vm:
-            _sandbox_steps(store, root, vm_image, emit, timed)
-        emit("all snapshots, restores and forks verified byte for byte")
+        ran_vm = vm and _sandbox_steps(store, root, vm_image, emit, timed)
+        emit("all snapshots, restores and forks verified byte for byte"
+             + ("; the VM's restores and fork by the guest's files" if ran_vm else ""))
     return events
 
 
@@ -215,8 +245,9 @@ GUEST_STEPS = [
 GUEST_STATE = "cd /work && find . -type f | sort | xargs md5sum"
 
 
-def _sandbox_steps(store, root: Path, image_dir, emit, timed) -> None:
-    """Agent steps in a real QEMU guest, checkpointed, restored and forked."""
+def _sandbox_steps(store, root: Path, image_dir, emit, timed) -> bool:
+    """Agent steps in a real QEMU guest, checkpointed, restored and forked;
+    False when QEMU is missing and they were skipped."""
     import shutil
 
     from blockdiff.qemu import QEMU
@@ -225,7 +256,7 @@ def _sandbox_steps(store, root: Path, image_dir, emit, timed) -> None:
 
     if shutil.which(QEMU) is None:
         emit(f"sandbox VM: skipped, {QEMU} is not installed (bash .ci/setup installs it)")
-        return
+        return False
     image_dir = Path(image_dir) if image_dir else (
         Path.home() / ".cache" / "blockdiff" / "vm-image")
     image, seconds = timed(lambda: build_image(image_dir))
@@ -238,7 +269,8 @@ def _sandbox_steps(store, root: Path, image_dir, emit, timed) -> None:
         ids, states = [], []
         for what, command in GUEST_STEPS:
             result = box.exec(command)
-            assert result.status == 0, result.stderr
+            check(result.status == 0, f"guest step {what!r} exited {result.status}: "
+                                      f"{result.stderr.decode(errors='replace').strip()}")
             snapshot_id = box.checkpoint(what)
             states.append(box.exec(GUEST_STATE).stdout)
             ids.append(snapshot_id)
@@ -246,20 +278,25 @@ def _sandbox_steps(store, root: Path, image_dir, emit, timed) -> None:
             emit(f"guest step: {what}", t.total,
                  f"checkpoint {snapshot_id}: VM paused {t.paused * 1000:.1f} ms")
         timing = box.restore(ids[1])
-        assert box.exec(GUEST_STATE).stdout == states[1], "the guest's files differ"
+        check(box.exec(GUEST_STATE).stdout == states[1],
+              f"the guest's files after the restore to {ids[1]} differ from that step's")
         emit(f"restore the running VM to '{GUEST_STEPS[1][0]}'", timing.seconds,
              "no reboot: the disk was swapped under the guest; its files verified")
         branch, seconds = timed(lambda: box.fork(ids[0], "branch"))
         stack.callback(branch.destroy)
-        assert branch.exec(GUEST_STATE).stdout == states[0], "the fork's files differ"
-        assert branch.exec("echo other > /work/VERSION").status == 0
-        assert box.exec("cat /work/VERSION").stdout == b"v2\n", "the fork changed its parent"
+        check(branch.exec(GUEST_STATE).stdout == states[0],
+              f"the forked VM's files differ from those of {ids[0]}")
+        check(branch.exec("echo other > /work/VERSION").status == 0,
+              "the forked VM could not write its disk")
+        check(box.exec("cat /work/VERSION").stdout == b"v2\n", "the fork changed its parent")
         emit(f"fork a second VM from '{GUEST_STEPS[0][0]}'", seconds,
              "booted; the two VMs change independently")
         box.stop()
         probe = root / "vm-check.img"
         store.restore(ids[2], box.disk)
         store.restore(ids[2], probe)
-        assert sha256_file(probe) == sha256_file(box.disk), "the VM's disk differs from its fork"
+        check(sha256_file(probe) == sha256_file(box.disk),
+              f"the VM's disk restored in place to {ids[2]} differs from a fork of it")
         emit("VM stopped; its disk, restored in place to the last step, matches a fresh fork "
              "of that step byte for byte")
+    return True
