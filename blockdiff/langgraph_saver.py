@@ -40,6 +40,19 @@ Only the top-level graph's checkpoints (``checkpoint_ns == ""``) snapshot the
 disk; a subgraph's checkpoints have none, and what a subgraph writes is in the
 parent's next snapshot. Deleting a thread keeps its disk snapshots, which other
 threads may share; ``blockdiff gc`` removes snapshots by the store's policy.
+
+Besides the base contract the saver has LangGraph's optional methods, sync and
+async: ``copy_thread`` (every checkpoint, blob and pending write of a thread
+under another thread id, which must have none; both threads then name the same
+disk snapshots), ``prune`` (``"keep_latest"``: the newest checkpoint of each
+namespace of each thread, and the ancestors a ``DeltaChannel`` of it is rebuilt
+from; ``"delete"``: none) and ``delete_for_runs`` (the checkpoints whose
+metadata has one of the run ids). What they delete takes its writes and the
+channel values nothing else uses with it, and the disk snapshots that only the
+deleted checkpoints used are removed from the store (``Store.rm``; every other
+snapshot stays restorable), except those that a checkpoint of any thread, an
+agent checkpoint (``agent.sqlite``) still names, or that a LangGraph saver did
+not take (a snapshot an unchanged disk reused, such as its base image's).
 """
 
 from __future__ import annotations
@@ -72,14 +85,25 @@ from langgraph.checkpoint.base import (
 
 from blockdiff.errors import BlockdiffError
 from blockdiff.sealing import create_private
-from blockdiff.store import Store
+from blockdiff.store import Store, UnknownSnapshot
 
 DB_NAME = "langgraph.sqlite"
+# The agent layer's checkpoints (blockdiff.agent.DB_NAME), whose disk snapshots
+# a prune leaves alone.
+AGENT_DB_NAME = "agent.sqlite"
 DISK_SNAPSHOT_KEY = "disk_snapshot"
 # How often a wait re-reads the database, for checkpoints saved by another
 # process or saver (those in this saver wake it at once).
 _POLL = 0.05
 _LIST_PAGE = 64
+# How many times put takes the disk snapshot again when a prune removed the
+# one it reused before it was recorded.
+_SNAPSHOT_ATTEMPTS = 3
+# Host parameters per statement, below SQLite's limit.
+_CHUNK = 500
+_CHECKPOINT_COLUMNS = ("thread_id, checkpoint_ns, checkpoint_id, parent_checkpoint_id, "
+                       "checkpoint_type, checkpoint, metadata_type, metadata, disk_snapshot, "
+                       "created, run_id")
 
 # Index i holds the script that takes the database from version i to i + 1
 # (PRAGMA user_version). Append; never edit an applied one.
@@ -122,6 +146,13 @@ MIGRATIONS = [
         PRIMARY KEY (thread_id, checkpoint_ns, checkpoint_id, task_id, idx)
     );
     """,
+    # The run that made a checkpoint (its metadata's run_id, '' if none), for
+    # delete_for_runs: metadata is serialized (and may be encrypted), so SQL
+    # cannot read it. NULL on rows written before: their metadata is read once.
+    """
+    ALTER TABLE checkpoints ADD COLUMN run_id TEXT;
+    CREATE INDEX checkpoints_run_id ON checkpoints (run_id);
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -146,6 +177,23 @@ class DiskWaitTimeout(SaverError, TimeoutError):
     """A checkpoint's disk snapshot was not taken in time."""
 
 
+class ThreadNotEmpty(SaverError, ValueError):
+    """``copy_thread`` was given a target thread that has checkpoints."""
+
+
+class UnknownStrategy(SaverError, ValueError):
+    """``prune`` was given a strategy other than ``keep_latest`` and ``delete``."""
+
+
+class SnapshotsNotRemoved(SaverError):
+    """Checkpoints were deleted, but some disk snapshots only they used could
+    not be removed from the store (``snapshots`` maps each id to the error)."""
+
+    def __init__(self, message: str, snapshots: dict[str, BaseException]):
+        super().__init__(message)
+        self.snapshots = snapshots
+
+
 def _configurable(config: RunnableConfig | None) -> dict:
     return (config or {}).get("configurable") or {}
 
@@ -156,6 +204,15 @@ def _thread_id(config: RunnableConfig | None) -> str:
         raise MissingConfigKey(
             "the config has no thread_id; pass config={'configurable': {'thread_id': ...}}")
     return str(thread_id)
+
+
+def _chunks(items: list) -> Iterator[list]:
+    for start in range(0, len(items), _CHUNK):
+        yield items[start:start + _CHUNK]
+
+
+def _marks(chunk: list) -> str:
+    return ", ".join("?" * len(chunk))
 
 
 def _key_config(thread_id: str, checkpoint_ns: str, checkpoint_id: str) -> RunnableConfig:
@@ -175,6 +232,9 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
     def __init__(self, store: Store | str | os.PathLike, disk: Any = None, *,
                  serde: SerializerProtocol | None = None) -> None:
         super().__init__(serde=serde)
+        # The store disk snapshots are removed from by prune and delete_for_runs;
+        # a directory is opened only for that.
+        self._store = store if isinstance(store, Store) else None
         if isinstance(store, Store):
             self.root = Path(store.root)
             mode = getattr(store, "file_mode", 0o600)
@@ -379,16 +439,6 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
         thread_id = _thread_id(config)
         checkpoint_ns = _configurable(config).get("checkpoint_ns", "")
         try:
-            # The disk first: a checkpoint must never name a snapshot that does
-            # not exist, while a snapshot whose checkpoint failed to save is
-            # only garbage for the store's gc.
-            snapshot = None
-            if self.disk is not None and checkpoint_ns == "":
-                snapshot = self._disk_call(
-                    "checkpoint", message=f"langgraph {thread_id} step {metadata.get('step')}",
-                    meta={"langgraph.thread": thread_id,
-                          "langgraph.checkpoint": checkpoint["id"]},
-                    skip_unchanged=True)
             stored = checkpoint.copy()
             values: dict[str, Any] = stored.pop("channel_values")  # type: ignore[misc]
             blobs = []
@@ -396,21 +446,46 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
                 value_type, value = (self.serde.dumps_typed(values[channel])
                                      if channel in values else ("empty", b""))
                 blobs.append((thread_id, checkpoint_ns, channel, str(version), value_type, value))
+            checkpoint_type, checkpoint_blob = self.serde.dumps_typed(stored)
             meta = dict(get_checkpoint_metadata(config, metadata))
             # The key always tells the truth about this checkpoint: metadata
             # copied from a loaded checkpoint may carry that one's snapshot.
             meta.pop(DISK_SNAPSHOT_KEY, None)
-            if snapshot is not None:
-                meta[DISK_SNAPSHOT_KEY] = snapshot
-            checkpoint_type, checkpoint_blob = self.serde.dumps_typed(stored)
-            metadata_type, metadata_blob = self.serde.dumps_typed(meta)
-            with self._write() as db:
-                db.executemany("INSERT OR REPLACE INTO blobs VALUES (?, ?, ?, ?, ?, ?)", blobs)
-                db.execute(
-                    "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (thread_id, checkpoint_ns, checkpoint["id"],
-                     _configurable(config).get("checkpoint_id"), checkpoint_type,
-                     checkpoint_blob, metadata_type, metadata_blob, snapshot, time.time()))
+            run_id = "" if meta.get("run_id") is None else str(meta["run_id"])
+            for _attempt in range(_SNAPSHOT_ATTEMPTS):
+                # The disk first: a checkpoint must never name a snapshot that
+                # does not exist, while a snapshot whose checkpoint failed to
+                # save is only garbage for the store's gc.
+                snapshot = None
+                if self.disk is not None and checkpoint_ns == "":
+                    snapshot = self._disk_call(
+                        "checkpoint",
+                        message=f"langgraph {thread_id} step {metadata.get('step')}",
+                        meta={"langgraph.thread": thread_id,
+                              "langgraph.checkpoint": checkpoint["id"]},
+                        skip_unchanged=True)
+                    meta[DISK_SNAPSHOT_KEY] = snapshot
+                metadata_type, metadata_blob = self.serde.dumps_typed(meta)
+                with self._write() as db:
+                    # An unchanged disk reuses its last snapshot, which a prune
+                    # may have removed since (it removes under this lock): then
+                    # the disk is snapshotted again.
+                    if snapshot is not None and self._snapshot_removed(snapshot):
+                        continue
+                    db.executemany("INSERT OR REPLACE INTO blobs VALUES (?, ?, ?, ?, ?, ?)",
+                                   blobs)
+                    db.execute(
+                        f"INSERT OR REPLACE INTO checkpoints ({_CHECKPOINT_COLUMNS}) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        (thread_id, checkpoint_ns, checkpoint["id"],
+                         _configurable(config).get("checkpoint_id"), checkpoint_type,
+                         checkpoint_blob, metadata_type, metadata_blob, snapshot, time.time(),
+                         run_id))
+                break
+            else:
+                raise SaverError(f"the disk snapshot of checkpoint {checkpoint['id']} of thread "
+                                 f"{thread_id!r} was removed from the store {_SNAPSHOT_ATTEMPTS} "
+                                 f"times before it could be recorded")
         except BaseException as e:
             if checkpoint_ns == "":
                 with self._saved:
@@ -453,6 +528,270 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
             for table in ("checkpoints", "blobs", "writes"):
                 db.execute(f"DELETE FROM {table} WHERE thread_id = ?", (str(thread_id),))
 
+    def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        """Copy every checkpoint of a thread, in every namespace, with its
+        channel values and pending writes, to another thread id; checkpoint
+        ids, parents, metadata and disk snapshots stay as they are, so both
+        threads name the same snapshots. The target must have no checkpoint
+        (``ThreadNotEmpty``); a source without any copies nothing."""
+        source, target = str(source_thread_id), str(target_thread_id)
+        with self._write() as db:
+            if db.execute("SELECT 1 FROM checkpoints WHERE thread_id = ? LIMIT 1",
+                          (target,)).fetchone():
+                raise ThreadNotEmpty(
+                    f"thread {target!r} already has checkpoints in {self.path}; copy into a new "
+                    f"thread id, or delete that thread first")
+            columns = _CHECKPOINT_COLUMNS.split(", ", 1)[1]
+            db.execute(f"INSERT INTO checkpoints ({_CHECKPOINT_COLUMNS}) "
+                       f"SELECT ?, {columns} FROM checkpoints WHERE thread_id = ?",
+                       (target, source))
+            db.execute("INSERT OR REPLACE INTO blobs SELECT ?, checkpoint_ns, channel, version, "
+                       "type, value FROM blobs WHERE thread_id = ?", (target, source))
+            db.execute("INSERT OR REPLACE INTO writes SELECT ?, checkpoint_ns, checkpoint_id, "
+                       "task_id, idx, channel, type, value, task_path FROM writes "
+                       "WHERE thread_id = ?", (target, source))
+        with self._saved:
+            self._saved.notify_all()
+
+    def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        """Thin out threads' checkpoints. ``"keep_latest"`` keeps the newest
+        checkpoint of each namespace, with its pending writes, and the
+        ancestors (with their writes) that a ``DeltaChannel`` of it is rebuilt
+        from, back to each such channel's last full snapshot; ``"delete"``
+        keeps nothing. Deleted checkpoints take their writes and the channel
+        values no kept one uses, and the disk snapshots that no checkpoint
+        names any more are removed from the store (see the module's notes)."""
+        if strategy not in ("keep_latest", "delete"):
+            raise UnknownStrategy(f"no prune strategy {strategy!r}; "
+                                  f"use 'keep_latest' or 'delete'")
+        threads = list(dict.fromkeys(str(t) for t in thread_ids))
+        if not threads:
+            return
+
+        def select(db) -> list[tuple]:
+            doomed = []
+            for thread in threads:
+                for (ns,) in db.execute("SELECT DISTINCT checkpoint_ns FROM checkpoints "
+                                        "WHERE thread_id = ?", (thread,)).fetchall():
+                    rows = db.execute(
+                        "SELECT checkpoint_id, parent_checkpoint_id, disk_snapshot "
+                        "FROM checkpoints WHERE thread_id = ? AND checkpoint_ns = ? "
+                        "ORDER BY checkpoint_id DESC", (thread, ns)).fetchall()
+                    keep = (set() if strategy == "delete"
+                            else self._needed_by_latest(db, thread, ns, rows))
+                    doomed += [(thread, ns, cid, snap) for cid, _, snap in rows
+                               if cid not in keep]
+                if strategy == "delete":
+                    # Writes and values left without a checkpoint go too.
+                    for table in ("writes", "blobs"):
+                        db.execute(f"DELETE FROM {table} WHERE thread_id = ?", (thread,))
+            return doomed
+
+        self._delete_and_release(select)
+
+    def delete_for_runs(self, run_ids: Sequence[str]) -> None:
+        """Delete the checkpoints, in any thread and namespace, whose metadata
+        has one of these ``run_id``s, with their writes, the channel values no
+        other checkpoint uses and the disk snapshots no checkpoint names any
+        more (see the module's notes). The other checkpoints are left as they
+        are: one whose parent was deleted keeps its parent id."""
+        runs = sorted({str(r) for r in run_ids})
+        if not runs:
+            return
+
+        def select(db) -> list[tuple]:
+            self._record_run_ids(db)
+            doomed = []
+            for chunk in _chunks(runs):
+                doomed += db.execute(
+                    "SELECT thread_id, checkpoint_ns, checkpoint_id, disk_snapshot "
+                    f"FROM checkpoints WHERE run_id IN ({_marks(chunk)})", chunk).fetchall()
+            return doomed
+
+        self._delete_and_release(select)
+
+    # ------------------------------------------------------------ deleting
+
+    def _needed_by_latest(self, db, thread_id: str, checkpoint_ns: str,
+                          rows: list[tuple]) -> set[str]:
+        """Of a namespace's checkpoints (``(id, parent, snapshot)``, newest
+        first): the newest, and the ancestors LangGraph's ancestor walk
+        (``get_delta_channel_history``) reads to rebuild its delta channels."""
+        if not rows:
+            return set()
+        parents = {cid: parent for cid, parent, _ in rows}
+        latest = rows[0][0]
+        keep = {latest}
+        metadata_type, metadata = db.execute(
+            "SELECT metadata_type, metadata FROM checkpoints WHERE thread_id = ? "
+            "AND checkpoint_ns = ? AND checkpoint_id = ?",
+            (thread_id, checkpoint_ns, latest)).fetchone()
+        # LangGraph counts, per delta channel, the steps since its last full
+        # snapshot; a channel it lists is rebuilt from the ancestors' writes.
+        counters = (self.serde.loads_typed((metadata_type, metadata)) or {}).get(
+            "counters_since_delta_snapshot") or {}
+        if not counters:
+            return keep
+        versions = self._channel_versions(db, thread_id, checkpoint_ns, latest)
+        missing = {ch for ch in counters if ch in versions
+                   and not self._has_value(db, thread_id, checkpoint_ns, ch, versions[ch])}
+        cursor = parents[latest]
+        while missing and cursor in parents:
+            keep.add(cursor)
+            versions = self._channel_versions(db, thread_id, checkpoint_ns, cursor)
+            missing = {ch for ch in missing if not (
+                ch in versions
+                and self._has_value(db, thread_id, checkpoint_ns, ch, versions[ch]))}
+            cursor = parents[cursor]
+        return keep
+
+    def _channel_versions(self, db, thread_id: str, checkpoint_ns: str,
+                          checkpoint_id: str) -> dict[str, Any]:
+        checkpoint_type, checkpoint = db.execute(
+            "SELECT checkpoint_type, checkpoint FROM checkpoints WHERE thread_id = ? "
+            "AND checkpoint_ns = ? AND checkpoint_id = ?",
+            (thread_id, checkpoint_ns, checkpoint_id)).fetchone()
+        return self.serde.loads_typed((checkpoint_type, checkpoint))["channel_versions"]
+
+    @staticmethod
+    def _has_value(db, thread_id: str, checkpoint_ns: str, channel: str, version) -> bool:
+        return db.execute(
+            "SELECT 1 FROM blobs WHERE thread_id = ? AND checkpoint_ns = ? AND channel = ? "
+            "AND version = ? AND type != 'empty'",
+            (thread_id, checkpoint_ns, channel, str(version))).fetchone() is not None
+
+    def _record_run_ids(self, db) -> None:
+        """Fill in the run id of rows written before the column was."""
+        rows = db.execute("SELECT thread_id, checkpoint_ns, checkpoint_id, metadata_type, "
+                          "metadata FROM checkpoints WHERE run_id IS NULL").fetchall()
+        updates = []
+        for thread_id, checkpoint_ns, checkpoint_id, metadata_type, metadata in rows:
+            run_id = (self.serde.loads_typed((metadata_type, metadata)) or {}).get("run_id")
+            updates.append(("" if run_id is None else str(run_id), thread_id, checkpoint_ns,
+                            checkpoint_id))
+        db.executemany("UPDATE checkpoints SET run_id = ? WHERE thread_id = ? "
+                       "AND checkpoint_ns = ? AND checkpoint_id = ?", updates)
+
+    def _delete_and_release(self, select) -> None:
+        """In one transaction: delete the checkpoints ``select(db)`` names
+        (``(thread, ns, id, disk snapshot)``) with their writes and the blobs
+        no remaining checkpoint of their namespace uses, then remove from the
+        store the disk snapshots nothing names any more. The snapshots go
+        under the database lock, so that a put that reused one (an unchanged
+        disk) sees it gone and snapshots the disk again. Once a snapshot may
+        have gone, the deletion commits whatever happens next."""
+        with self._lock:
+            db = self._db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                doomed = select(db)
+                keys = [row[:3] for row in doomed]
+                db.executemany("DELETE FROM checkpoints WHERE thread_id = ? "
+                               "AND checkpoint_ns = ? AND checkpoint_id = ?", keys)
+                db.executemany("DELETE FROM writes WHERE thread_id = ? AND checkpoint_ns = ? "
+                               "AND checkpoint_id = ?", keys)
+                for thread_id, checkpoint_ns in sorted({row[:2] for row in doomed}):
+                    self._drop_unused_blobs(db, thread_id, checkpoint_ns)
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            try:
+                errors = self._release(db, {row[3] for row in doomed if row[3]})
+            finally:
+                db.execute("COMMIT")
+        if errors:
+            listed = "; ".join(f"{sid}: {e}" for sid, e in sorted(errors.items()))
+            raise SnapshotsNotRemoved(
+                f"the checkpoints were deleted, but {len(errors)} disk snapshot(s) only they "
+                f"used could not be removed from {self.root} ({listed}); remove them with: "
+                f"blockdiff rm --store {self.root} ID", errors)
+
+    def _drop_unused_blobs(self, db, thread_id: str, checkpoint_ns: str) -> None:
+        used = set()
+        for checkpoint_type, checkpoint in db.execute(
+                "SELECT checkpoint_type, checkpoint FROM checkpoints WHERE thread_id = ? "
+                "AND checkpoint_ns = ?", (thread_id, checkpoint_ns)).fetchall():
+            versions = self.serde.loads_typed((checkpoint_type, checkpoint))["channel_versions"]
+            used.update((channel, str(version)) for channel, version in versions.items())
+        unused = [(thread_id, checkpoint_ns, channel, version)
+                  for channel, version in db.execute(
+                      "SELECT channel, version FROM blobs WHERE thread_id = ? "
+                      "AND checkpoint_ns = ?", (thread_id, checkpoint_ns)).fetchall()
+                  if (channel, version) not in used]
+        db.executemany("DELETE FROM blobs WHERE thread_id = ? AND checkpoint_ns = ? "
+                       "AND channel = ? AND version = ?", unused)
+
+    def _release(self, db, snapshots: set[str]) -> dict[str, BaseException]:
+        """Remove from the store those of ``snapshots`` (named by checkpoints
+        just deleted in ``db``'s transaction) that nothing needs any more:
+        no checkpoint of any thread names them, nor an agent checkpoint, and
+        a LangGraph saver took them. Returns the errors, by snapshot id."""
+        unused = set(snapshots)
+        for chunk in _chunks(sorted(unused)):
+            unused -= {r[0] for r in db.execute(
+                "SELECT DISTINCT disk_snapshot FROM checkpoints "
+                f"WHERE disk_snapshot IN ({_marks(chunk)})", chunk)}
+        unused -= self._agent_references(unused)
+        if not unused:
+            return {}
+        errors: dict[str, BaseException] = {}
+        with self._removal_store() as store:
+            for snapshot_id in sorted(unused):
+                try:
+                    snap = store.get(snapshot_id)
+                    # A snapshot another program took (a base image's, a VM's
+                    # own) that an unchanged disk reused is not the saver's.
+                    if "langgraph.checkpoint" not in (snap.meta or {}):
+                        continue
+                    store.rm(snapshot_id)
+                except UnknownSnapshot:
+                    continue        # removed already, or in another store
+                except Exception as e:      # the rest are still removed
+                    errors[snapshot_id] = e
+        return errors
+
+    def _agent_references(self, snapshots: set[str]) -> set[str]:
+        """Those of ``snapshots`` that agent checkpoints (``blockdiff.agent``,
+        in the same store) name; all of them if that database cannot be read."""
+        path = self.root / AGENT_DB_NAME
+        if not snapshots or not path.exists():
+            return set()
+        try:
+            agent_db = sqlite3.connect(path.as_uri() + "?mode=ro", uri=True, timeout=60)
+        except sqlite3.Error:
+            return set(snapshots)
+        try:
+            found = set()
+            for chunk in _chunks(sorted(snapshots)):
+                found |= {r[0] for r in agent_db.execute(
+                    "SELECT DISTINCT disk_snapshot FROM checkpoints "
+                    f"WHERE disk_snapshot IN ({_marks(chunk)})", chunk)}
+            return found
+        except sqlite3.Error:
+            return set(snapshots)
+        finally:
+            agent_db.close()
+
+    @contextlib.contextmanager
+    def _removal_store(self):
+        if self._store is not None:
+            yield self._store
+        else:
+            with Store(self.root, freeing=True) as store:
+                yield store
+
+    def _snapshot_removed(self, snapshot: str) -> bool:
+        """Whether a snapshot the disk returned is gone from its store (a prune
+        removed it); False when the disk has no store to ask."""
+        store = getattr(self.disk, "store", None)
+        if not isinstance(store, Store):
+            return False
+        try:
+            store.get(snapshot)
+        except UnknownSnapshot:
+            return True
+        return False
+
     def get_next_version(self, current: str | None, channel: None = None) -> str:
         if current is None:
             current_v = 0
@@ -491,6 +830,15 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
 
     async def adelete_thread(self, thread_id: str) -> None:
         await self._in_thread(self.delete_thread, thread_id)
+
+    async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        await self._in_thread(self.copy_thread, source_thread_id, target_thread_id)
+
+    async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        await self._in_thread(self.prune, thread_ids, strategy=strategy)
+
+    async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
+        await self._in_thread(self.delete_for_runs, run_ids)
 
     # ----------------------------------------------------------------- disk
 

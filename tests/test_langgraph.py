@@ -731,11 +731,11 @@ def test_wait_for_disk_times_out_on_a_checkpoint_never_saved(rig):
 def test_store_path_and_schema(rig, xfs):
     saver = rig.saver(store=str(rig.store.root))
     assert saver.path == rig.store.root / "langgraph.sqlite" and saver.path.exists()
-    assert saver.schema_version == 1
+    assert saver.schema_version == 2
     db = sqlite3.connect(saver.path)
     try:
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-        assert db.execute("PRAGMA user_version").fetchone()[0] == 1
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 2
         db.execute("PRAGMA user_version = 99")
     finally:
         db.close()
