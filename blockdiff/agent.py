@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from blockdiff.catalog import immediate_transaction
+from blockdiff.catalog import candidates, id_prefix, immediate_transaction, prefix_matches
 from blockdiff.disks import Disk, ImageDisk
 from blockdiff.errors import BlockdiffError, UsageError
 from blockdiff.retention import check_duration
@@ -139,6 +139,10 @@ class UnknownThread(AgentError):
 
 class UnknownCheckpoint(AgentError):
     pass
+
+
+class AmbiguousCheckpoint(AgentError):
+    """A checkpoint id prefix that more than one checkpoint's id begins with."""
 
 
 def _unknown_thread(thread_id: str, root) -> UnknownThread:
@@ -412,12 +416,28 @@ class AgentDB:
         return self.codec.decode(stored, f"checkpoint {checkpoint_id} meta")
 
     def checkpoint(self, checkpoint_id: str, thread_id: str | None = None) -> Checkpoint:
-        """The checkpoint ``checkpoint_id`` (``thread_id``, if given, only
-        names the thread whose history the error points to)."""
+        """The checkpoint ``checkpoint_id``, an id or a unique prefix of at
+        least 4 hex digits (``AmbiguousCheckpoint`` if it begins several);
+        the result's ``id`` is the full id. ``thread_id``, if given, only
+        names the thread whose history the error points to."""
         row = self.db.execute(self._CP + " WHERE id = ?", (checkpoint_id,)).fetchone()
+        if row is None and (prefix := id_prefix(checkpoint_id)) is not None:
+            ids, total = prefix_matches(self.db, "checkpoints", prefix)
+            if total > 1:
+                raise AmbiguousCheckpoint(
+                    f"checkpoint id {checkpoint_id!r} is ambiguous: {total} checkpoints in "
+                    f"{self.store.root} begin with it ({candidates(ids, total)}); give more "
+                    f"of its digits")
+            if ids:
+                row = self.db.execute(self._CP + " WHERE id = ?", (ids[0],)).fetchone()
         if row is None:
             raise _unknown_checkpoint(checkpoint_id, f"in {self.store.root}", thread_id)
         return self._checkpoint(row)
+
+    def resolve_checkpoint(self, checkpoint_id: str) -> str:
+        """The full id of the checkpoint ``checkpoint_id`` names: an id, or a
+        unique prefix of one (as for :meth:`checkpoint`)."""
+        return self.checkpoint(checkpoint_id).id
 
     def contents(self, checkpoint_id: str) -> tuple[bytes, bytes]:
         return self.db.execute("SELECT state, messages FROM checkpoints WHERE id = ?",
@@ -1005,6 +1025,7 @@ class Agent:
         if self._step is not None:
             raise AgentError("rewind between steps, not inside one")
         target = self.db.checkpoint(checkpoint_id, self.thread_id)
+        checkpoint_id = target.id   # a prefix resolved
         if target.thread != self.thread_id and checkpoint_id not in {
                 c.id for c in self.db.history(self.thread_id)}:
             raise _unknown_checkpoint(checkpoint_id, f"in thread {self.thread_id!r}'s history",
@@ -1125,6 +1146,7 @@ def fork_thread(store: Store, thread_id: str, checkpoint_id: str, new_thread: st
     try:
         source = db.thread(thread_id)
         target = db.checkpoint(checkpoint_id, thread_id)
+        checkpoint_id = target.id   # a prefix resolved
         if checkpoint_id not in {c.id for c in db.history(thread_id)} and (
                 target.thread != thread_id):
             raise _unknown_checkpoint(checkpoint_id, f"in thread {thread_id!r}", thread_id)

@@ -72,6 +72,37 @@ MIGRATIONS = [
 ]
 
 
+# Ids may be given by a unique prefix of at least this many hex digits; an
+# ambiguous one is refused, naming up to PREFIX_LIST of the candidates.
+PREFIX_MIN = 4
+PREFIX_LIST = 10
+_HEX = frozenset("0123456789abcdef")
+
+
+def id_prefix(value) -> str | None:
+    """``value`` as an id prefix to look up (lower case), or None when it is
+    not one: fewer than ``PREFIX_MIN`` or more than 16 digits, or not hex."""
+    if not isinstance(value, str) or not PREFIX_MIN <= len(value) <= 16:
+        return None
+    value = value.lower()
+    return value if set(value) <= _HEX else None
+
+
+def prefix_matches(db: sqlite3.Connection, table: str, prefix: str,
+                   limit: int = PREFIX_LIST) -> tuple[list[str], int]:
+    """The first ``limit`` ids of ``table`` starting with ``prefix`` (already
+    checked to be hex digits, so LIKE sees no wildcard) and their number."""
+    rows = db.execute(f"SELECT id, COUNT(*) OVER () FROM {table} WHERE id LIKE ? || '%' "
+                      f"ORDER BY id LIMIT ?", (prefix, limit)).fetchall()
+    return [row[0] for row in rows], rows[0][1] if rows else 0
+
+
+def candidates(ids: list[str], total: int) -> str:
+    """The ids an ambiguous prefix matches, as a phrase: 'a, b and 3 more'."""
+    more = total - len(ids)
+    return ", ".join(ids) + (f" and {more} more" if more > 0 else "")
+
+
 class CatalogDamaged(Exception):
     """The catalog file is not a usable store catalog (raised with the reason)."""
 
@@ -218,6 +249,11 @@ class Catalog:
     def get(self, snapshot_id: str) -> Snapshot | None:
         row = self.db.execute(_SELECT + " WHERE s.id = ?", (snapshot_id,)).fetchone()
         return _row(row) if row else None
+
+    def ids_with_prefix(self, prefix: str, limit: int = PREFIX_LIST) -> tuple[list[str], int]:
+        """The first ``limit`` ids (in order) that start with ``prefix``, a
+        string of hex digits (see :func:`id_prefix`), and how many there are."""
+        return prefix_matches(self.db, "snapshots", prefix, limit)
 
     def all(self) -> list[Snapshot]:
         """Every snapshot, newest first."""

@@ -6,6 +6,7 @@ numpy are imported only inside the commands, so start-up stays lean.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import json
@@ -86,6 +87,26 @@ def _printable(value) -> str:
 def _notes(notes) -> None:
     for note in notes:
         click.echo(f"blockdiff: note: {note}", err=True)
+
+
+def _json_value(value):
+    """What json cannot write itself: numpy numbers (counts from arrays)."""
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def _emit_json(value) -> None:
+    """The one way a command writes its --json output: one JSON document on
+    stdout and nothing else there (notes and errors go to stderr). The shape
+    of each command's document is in docs/cli.md."""
+    click.echo(json.dumps(value, indent=2, default=_json_value))
+
+
+def json_option(command):
+    """The --json option of a command whose output a program may read."""
+    return click.option("--json", "as_json", is_flag=True,
+                        help="Print one JSON document on stdout (see docs/cli.md).")(command)
 
 
 def _hex(value: str) -> int:
@@ -191,7 +212,7 @@ def view(path, offset, as_json):
     around = None if offset is None else _hex(offset)
     report = view_module.describe(path, around)
     if as_json:
-        click.echo(json.dumps(report, indent=2))
+        _emit_json(report)
     else:
         click.echo(view_module.render(report))
 
@@ -324,7 +345,7 @@ def init(directory, allow_copy, group):
 
 @main.command()
 @store_option
-@click.argument("image", type=click.Path(dir_okay=False, exists=True))
+@click.argument("image", type=click.Path(dir_okay=False))
 @click.option("--parent", help="Snapshot the image descends from (default: what it was last "
                                "committed as or restored from).")
 @click.option("-m", "--message", default="", help="What this step did.")
@@ -333,18 +354,26 @@ def init(directory, allow_copy, group):
 @click.option("--skip-unchanged", is_flag=True,
               help="If nothing changed since the parent, print the parent's id instead.")
 @click.option("--written", type=click.File("r"), metavar="FILE", help=_WRITTEN_HELP)
+@json_option
 @reports_errors
-def commit(store_path, image, parent, message, meta, ttl, skip_unchanged, written):
+def commit(store_path, image, parent, message, meta, ttl, skip_unchanged, written, as_json):
     """Snapshot IMAGE; print the new snapshot's id as the last line.
+
+    PARENT may be given by a unique prefix of its id (at least 4 hex digits).
 
     \b
     Example:
       blockdiff commit --store S disk.img -m "pip install" --meta step=3
     """
     with _open_store(store_path) as store:
+        before = None
+        if skip_unchanged:   # what the commit compares with: its id back means unchanged
+            before = store.resolve(parent) if parent is not None else store.lineage(image)[0]
         snap = store.commit(image, parent=parent, message=message, meta=_pairs(meta),
                             ttl=_duration(ttl), skip_unchanged=skip_unchanged,
                             written=_written(written))
+    if as_json:
+        return _emit_json(_snapshot_dict(snap) | {"unchanged": snap.id == before})
     click.echo(snap.id)
 
 
@@ -353,24 +382,32 @@ def commit(store_path, image, parent, message, meta, ttl, skip_unchanged, writte
 @click.argument("snapshot_id", metavar="ID")
 @click.argument("image", type=click.Path(dir_okay=False))
 @click.option("--written", type=click.File("r"), metavar="FILE", help=_WRITTEN_HELP)
+@json_option
 @reports_errors
-def restore(store_path, snapshot_id, image, written):
+def restore(store_path, snapshot_id, image, written, as_json):
     """Make IMAGE byte-identical to snapshot ID (a new path is a fork).
+
+    ID may be a unique prefix of the snapshot's id (at least 4 hex digits).
 
     \b
     Example:
       blockdiff restore --store S 3f2a9c0d1e2b4a5c disk.img
-      blockdiff restore --store S 3f2a9c0d1e2b4a5c branch-b.img
+      blockdiff restore --store S 3f2a branch-b.img
     """
     with _open_store(store_path) as store:
         result = store.restore(snapshot_id, image, written=_written(written))
-    how = "forked into" if result.forked else "restored in place"
-    click.echo(f"{image}: {how} from {result.snapshot} ({result.ranges} ranges)")
+    if as_json:
+        return _emit_json(dataclasses.asdict(result))
+    if result.forked:
+        click.echo(f"{image}: forked from {result.snapshot} ({result.ranges} pieces cloned)")
+    else:
+        click.echo(f"{image}: restored in place to {result.snapshot} "
+                   f"({result.ranges} ranges rewritten)")
 
 
 def _echo_records(records) -> None:
     """A list of the library's records (dataclasses) as a JSON array."""
-    click.echo(json.dumps([r.__dict__ for r in records], indent=2))
+    _emit_json([dataclasses.asdict(r) for r in records])
 
 
 def _snapshot_dict(snap) -> dict:
@@ -398,8 +435,7 @@ def log(store_path, snapshot_id, as_json):
     with _open_store(store_path) as store:
         snaps = store.log(snapshot_id)
     if as_json:
-        click.echo(json.dumps([_snapshot_dict(s) for s in snaps], indent=2))
-        return
+        return _emit_json([_snapshot_dict(s) for s in snaps])
     for s in snaps:
         when = _time.strftime("%Y-%m-%d %H:%M:%S", _time.localtime(s.created))
         extra = "".join(f" {_printable(k)}={_printable(v)}" for k, v in sorted(s.meta.items()))
@@ -435,8 +471,9 @@ def tree(store_path):
 @main.command()
 @store_option
 @click.argument("snapshot_id", metavar="ID")
+@json_option
 @reports_errors
-def rm(store_path, snapshot_id):
+def rm(store_path, snapshot_id, as_json):
     """Delete snapshot ID; its descendants stay restorable.
 
     \b
@@ -447,8 +484,17 @@ def rm(store_path, snapshot_id):
 
     with _open_store(store_path, freeing=True) as store:
         result = store.rm(snapshot_id)
-    click.echo(f"removed {snapshot_id}; its files held {human_size(result.bytes_freed)} "
+    if as_json:
+        return _emit_json(_removal_dict(result, dry_run=False))
+    click.echo(f"removed {result.removed[0]}; its files held {human_size(result.bytes_freed)} "
                f"(blocks an image still shares stay in use)")
+
+
+def _removal_dict(result, *, dry_run: bool) -> dict:
+    """What rm and gc print with --json (bytes_freed is null for a dry run)."""
+    return {"removed": list(result.removed),
+            "reasons": {sid: result.reasons[sid] for sid in result.removed},
+            "bytes_freed": None if dry_run else result.bytes_freed, "dry_run": dry_run}
 
 
 @main.command()
@@ -456,8 +502,9 @@ def rm(store_path, snapshot_id):
 @click.option("--keep-last", type=click.IntRange(min=0), help="Keep the N newest snapshots.")
 @click.option("--keep-within", help="Keep snapshots younger than this (e.g. 2h, 7d).")
 @click.option("--dry-run", is_flag=True, help="Say what would go, remove nothing.")
+@json_option
 @reports_errors
-def gc(store_path, keep_last, keep_within, dry_run):
+def gc(store_path, keep_last, keep_within, dry_run, as_json):
     """Remove expired snapshots and those the policy does not keep.
 
     Without --keep-last or --keep-within only expired snapshots (TTL) go.
@@ -473,9 +520,13 @@ def gc(store_path, keep_last, keep_within, dry_run):
     policy = Policy(keep_last=keep_last, keep_within=_duration(keep_within, "--keep-within"))
     with _open_store(store_path, freeing=not dry_run) as store:
         result = store.gc(policy, dry_run=dry_run)
+    if as_json:
+        return _emit_json(_removal_dict(result, dry_run=dry_run))
     verb = "would remove" if dry_run else "removed"
     for snapshot_id in result.removed:
         click.echo(f"{verb} {snapshot_id} ({result.reasons[snapshot_id]})")
+    if dry_run and not result.removed:
+        click.echo("nothing to remove")
     if not dry_run:
         click.echo(f"removed files held {human_size(result.bytes_freed)} "
                    f"(blocks an image still shares stay in use)")
@@ -484,11 +535,12 @@ def gc(store_path, keep_last, keep_within, dry_run):
 @main.command()
 @store_option
 @click.argument("snapshot_id", metavar="[ID]", required=False)
+@json_option
 @reports_errors
-def verify(store_path, snapshot_id):
+def verify(store_path, snapshot_id, as_json):
     """Check the catalog and every checksum (of ID, or of every snapshot).
 
-    Exits non-zero and names each damaged snapshot.
+    Exits non-zero (7) and names each damaged snapshot on stderr.
 
     \b
     Example:
@@ -496,8 +548,11 @@ def verify(store_path, snapshot_id):
     """
     with _open_store(store_path) as store:
         problems = store.verify(snapshot_id)
+    if as_json:
+        _emit_json({"consistent": not problems, "problems": problems})
     if not problems:
-        click.echo("store is consistent; every checksum matches")
+        if not as_json:
+            click.echo("store is consistent; every checksum matches")
         return
     for name, found in problems.items():
         for problem in found:
@@ -522,13 +577,13 @@ def diff_command(store_path, a, b, as_json):
     from blockdiff.view import human_size
 
     with _open_store(store_path) as store:
+        a, b = store.resolve(a), store.resolve(b)
         ranges = store.diff(a, b)
     entries = [{"offset": int(o), "length": int(n), "kind": "data" if k == DATA else "zero"}
                for o, n, k in zip(ranges.offset, ranges.length, ranges.kind)]
     total = int(ranges.length.sum())
     if as_json:
-        click.echo(json.dumps({"a": a, "b": b, "bytes": total, "ranges": entries}, indent=2))
-        return
+        return _emit_json({"a": a, "b": b, "bytes": total, "ranges": entries})
     for e in entries:
         click.echo(f"offset={e['offset']:#x} length={e['length']:#x} {e['kind']}")
     click.echo(f"{len(entries)} ranges, {human_size(total)} differ")
@@ -540,8 +595,9 @@ def diff_command(store_path, a, b, as_json):
 @click.argument("out", type=click.Path(dir_okay=False))
 @click.option("--since", metavar="ANCESTOR",
               help="Export only what changed since this ancestor (the other host has it).")
+@json_option
 @reports_errors
-def export(store_path, snapshot_id, out, since):
+def export(store_path, snapshot_id, out, since, as_json):
     """Write one portable file from which another store recreates ID.
 
     The file is a BDIFFv2 diff (of the whole image, or against ANCESTOR) with
@@ -554,15 +610,22 @@ def export(store_path, snapshot_id, out, since):
     from blockdiff.view import human_size
 
     with _open_store(store_path) as store:
+        snapshot_id = store.resolve(snapshot_id)
+        since = None if since is None else store.resolve(since)
         result = store.export(snapshot_id, out, since)
+    if as_json:
+        return _emit_json({"id": snapshot_id, "since": since, "out": out,
+                           "ranges": result.ranges, "data_bytes": result.data_bytes,
+                           "zero_bytes": result.zero_bytes, "size": result.target_size})
     click.echo(f"{out}: {snapshot_id}, {result.ranges} ranges, {human_size(result.data_bytes)}")
 
 
 @main.command(name="import")
 @store_option
 @click.argument("path", metavar="FILE", type=click.Path(dir_okay=False))
+@json_option
 @reports_errors
-def import_command(store_path, path):
+def import_command(store_path, path, as_json):
     """Recreate the snapshot an export FILE holds; print its id.
 
     The file is read and checked whole; a snapshot the store has already is
@@ -576,6 +639,8 @@ def import_command(store_path, path):
         result = store.import_(path)
     if result.skipped:
         click.echo(f"skipped: {result.skipped} (the export checks out)", err=True)
+    if as_json:
+        return _emit_json({"ids": list(result.ids), "skipped": result.skipped or None})
     for snapshot_id in result.ids:
         click.echo(snapshot_id)
 
@@ -583,8 +648,9 @@ def import_command(store_path, path):
 @main.command()
 @store_option
 @click.argument("snapshot_id", metavar="ID")
+@json_option
 @reports_errors
-def compact(store_path, snapshot_id):
+def compact(store_path, snapshot_id, as_json):
     """Rewrite snapshot ID's data into one contiguous layer.
 
     For a snapshot forked from often whose data is scattered over many
@@ -599,7 +665,9 @@ def compact(store_path, snapshot_id):
         before = len(store.load_map(store.get(snapshot_id)).pieces)
         snap = store.compact(snapshot_id)
         after = len(store.load_map(snap).pieces)
-    click.echo(f"{snapshot_id}: {before} pieces -> {after}")
+    if as_json:
+        return _emit_json({"id": snap.id, "pieces_before": before, "pieces_after": after})
+    click.echo(f"{snap.id}: {before} pieces -> {after}")
 
 
 # ------------------------------------------------------------- sandboxes
@@ -733,8 +801,9 @@ def vm_exec(name, command, store_path, timeout, pass_stdin, cwd):
 @click.option("-m", "--message", default="", help="What this step did.")
 @click.option("--meta", multiple=True, metavar="KEY=VALUE", help="Metadata; repeatable.")
 @click.option("--ttl", help="Expire after this long (e.g. 30m, 2h, 7d).")
+@json_option
 @reports_errors
-def vm_snapshot(name, store_path, message, meta, ttl):
+def vm_snapshot(name, store_path, message, meta, ttl, as_json):
     """Snapshot VM NAME's disk (pausing it briefly); print the id last.
 
     \b
@@ -743,8 +812,11 @@ def vm_snapshot(name, store_path, message, meta, ttl):
     """
     box = _sandbox(store_path, name)
     snapshot_id = box.checkpoint(message, _pairs(meta), ttl=_duration(ttl))
-    if box.last_checkpoint:
-        t = box.last_checkpoint
+    t = box.last_checkpoint
+    if as_json:
+        return _emit_json({"id": snapshot_id, "vm": name,
+                           "timing": None if t is None else dataclasses.asdict(t)})
+    if t:
         click.echo(f"paused {t.paused * 1000:.1f} ms (freeze {t.freeze * 1000:.1f} ms)")
     click.echo(snapshot_id)
 
@@ -753,8 +825,9 @@ def vm_snapshot(name, store_path, message, meta, ttl):
 @click.argument("name")
 @click.argument("snapshot_id", metavar="ID")
 @store_option
+@json_option
 @reports_errors
-def vm_restore(name, snapshot_id, store_path):
+def vm_restore(name, snapshot_id, store_path, as_json):
     """Put VM NAME's disk back to snapshot ID (a running VM keeps running).
 
     A running VM's processes end and its disk is swapped under it, without a
@@ -764,8 +837,13 @@ def vm_restore(name, snapshot_id, store_path):
     Example:
       blockdiff vm restore box 3f2a9c0d1e2b4a5c
     """
-    result = _sandbox(store_path, name).restore(snapshot_id)
-    how = "rebooted" if result.rebooted else "running"
+    box = _sandbox(store_path, name)
+    snapshot_id = box.store.resolve(snapshot_id)
+    result = box.restore(snapshot_id)
+    if as_json:
+        return _emit_json({"vm": name, "snapshot": snapshot_id, "running": box.running}
+                          | dataclasses.asdict(result))
+    how = "rebooted" if result.rebooted else "running" if box.running else "stopped"
     click.echo(f"VM {name} at {snapshot_id} ({how}, {result.seconds * 1000:.0f} ms)")
 
 
@@ -775,15 +853,20 @@ def vm_restore(name, snapshot_id, store_path):
 @click.argument("new_name", metavar="NEWNAME")
 @store_option
 @click.option("--no-start", is_flag=True, help="Leave the new VM stopped.")
+@json_option
 @reports_errors
-def vm_fork(name, snapshot_id, new_name, store_path, no_start):
+def vm_fork(name, snapshot_id, new_name, store_path, no_start, as_json):
     """Make VM NEWNAME, like NAME, from snapshot ID, and start it.
 
     \b
     Example:
       blockdiff vm fork box 3f2a9c0d1e2b4a5c box-b
     """
-    _sandbox(store_path, name).fork(snapshot_id, new_name, start=not no_start)
+    box = _sandbox(store_path, name)
+    snapshot_id = box.store.resolve(snapshot_id)
+    box.fork(snapshot_id, new_name, start=not no_start)
+    if as_json:
+        return _emit_json({"vm": new_name, "forked_from": snapshot_id, "running": not no_start})
     click.echo(f"VM {new_name} forked from {snapshot_id}" + ("" if no_start else ", running"))
 
 
@@ -858,6 +941,15 @@ def _agent_db(store_path, codec=None):
     from blockdiff.agent import AgentDB
 
     return AgentDB(_open_store(store_path), codec)
+
+
+def _checkpoint_id(store, checkpoint_id: str, thread: str) -> str:
+    """The full id of the checkpoint an id or a unique prefix of one names
+    (an error about it points to THREAD's history)."""
+    from blockdiff.agent import AgentDB
+
+    with AgentDB(store) as db:
+        return db.checkpoint(checkpoint_id, thread).id
 
 
 def _when(t: float | None) -> str:
@@ -943,17 +1035,18 @@ def agent_show(checkpoint_id, store_path, as_json):
     codec = Codec()
     db = _agent_db(store_path, codec)
     cp = db.checkpoint(checkpoint_id)
+    checkpoint_id = cp.id   # a prefix resolved
     state_blob, messages_blob = db.contents(checkpoint_id)
-    record = cp.__dict__ | {
+    record = dataclasses.asdict(cp) | {
         "state": codec.decode(state_blob, f"checkpoint {checkpoint_id} state"),
         "messages": codec.decode(messages_blob, f"checkpoint {checkpoint_id} messages")}
     if as_json:
-        click.echo(json.dumps(record, indent=2))
-        return
-    for key in ("id", "thread", "parent", "step", "reason", "disk_snapshot", "meta"):
-        value = record[key]
-        click.echo(f"{key + ':':15}" + (json.dumps(value) if isinstance(value, dict)
-                                        else _printable(value)))
+        return _emit_json(record)
+    for key in ("id", "thread", "parent", "step", "reason", "disk_snapshot"):
+        click.echo(f"{key + ':':15}" + _printable(record[key]))
+    # JSON, not Python's repr; ASCII, so nothing in it reaches the terminal raw.
+    click.echo(f"{'meta:':15}" + ("(sealed; give the key to read it)" if cp.meta is None
+                                  else json.dumps(cp.meta, sort_keys=True)))
     click.echo(f"{'created:':15}{_when(cp.created)}   expires: {_when(cp.expires)}")
     click.echo("state:\n" + json.dumps(record["state"], indent=2))
     click.echo(f"messages: {len(record['messages'])}")
@@ -1044,14 +1137,15 @@ def agent_reject(thread, store_path, comment):
 @click.argument("thread")
 @click.argument("checkpoint_id", metavar="CHECKPOINT")
 @store_option
+@json_option
 @reports_errors
-def agent_rewind(thread, checkpoint_id, store_path):
+def agent_rewind(thread, checkpoint_id, store_path, as_json):
     """Put THREAD (state and disk) back to CHECKPOINT.
 
     Effects of tool calls made since are compensated newest first. Those
     whose compensation needs the agent's own tools are left pending and run
     when the agent next opens the thread; those that cannot be compensated
-    are listed.
+    are listed. CHECKPOINT may be a unique prefix of its id (4 hex digits or more).
 
     \b
     Example:
@@ -1059,7 +1153,12 @@ def agent_rewind(thread, checkpoint_id, store_path):
     """
     from blockdiff.agent import rewind_thread
 
-    report = rewind_thread(_open_store(store_path), thread, checkpoint_id)
+    store = _open_store(store_path)
+    checkpoint_id = _checkpoint_id(store, checkpoint_id, thread)
+    report = rewind_thread(store, thread, checkpoint_id)
+    if as_json:
+        return _emit_json({"thread": thread, "checkpoint": checkpoint_id}
+                          | dataclasses.asdict(report))
     click.echo(f"{_printable(thread)}: rewound to {_printable(checkpoint_id)}")
     for what, items in (("compensated", report.compensated),
                         ("compensation pending (runs when the agent resumes)", report.pending),
@@ -1073,8 +1172,9 @@ def agent_rewind(thread, checkpoint_id, store_path):
 @click.argument("checkpoint_id", metavar="CHECKPOINT")
 @click.argument("new_thread", metavar="NEW_THREAD")
 @store_option
+@json_option
 @reports_errors
-def agent_fork(thread, checkpoint_id, new_thread, store_path):
+def agent_fork(thread, checkpoint_id, new_thread, store_path, as_json):
     """Start NEW_THREAD from THREAD's CHECKPOINT, with a disk of its own.
 
     \b
@@ -1083,15 +1183,20 @@ def agent_fork(thread, checkpoint_id, new_thread, store_path):
     """
     from blockdiff.agent import fork_thread
 
-    head = fork_thread(_open_store(store_path), thread, checkpoint_id, new_thread)
+    store = _open_store(store_path)
+    checkpoint_id = _checkpoint_id(store, checkpoint_id, thread)
+    head = fork_thread(store, thread, checkpoint_id, new_thread)
+    if as_json:
+        return _emit_json({"thread": new_thread, "forked_from": checkpoint_id, "head": head})
     click.echo(f"{_printable(new_thread)}: forked from {_printable(checkpoint_id)}; head {head}")
 
 
 @agent.command("gc")
 @store_option
 @click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
+@json_option
 @reports_errors
-def agent_gc(store_path, dry_run):
+def agent_gc(store_path, dry_run, as_json):
     """Remove expired checkpoints and the disk snapshots only they used.
 
     A thread's head and a checkpoint an approval waits at are kept.
@@ -1101,6 +1206,9 @@ def agent_gc(store_path, dry_run):
       blockdiff agent gc --store S --dry-run
     """
     removed = _agent_db(store_path).gc(dry_run=dry_run)
+    if as_json:
+        return _emit_json({"removed": [dataclasses.asdict(c) for c in removed],
+                           "dry_run": dry_run})
     verb = "would remove" if dry_run else "removed"
     for c in removed:
         click.echo(f"{verb} {_printable(c.id)}  [{_printable(c.thread)}] step {c.step}: "

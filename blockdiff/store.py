@@ -52,6 +52,8 @@ from blockdiff.catalog import (
     CatalogTooNew,
     LayerRecord,
     Snapshot,
+    candidates,
+    id_prefix,
 )
 from blockdiff.errors import BlockdiffError, InvalidDiff, Unsupported, UsageError
 from blockdiff.extents import (
@@ -112,6 +114,10 @@ class StoreError(BlockdiffError):
 
 class UnknownSnapshot(StoreError):
     """No snapshot with that id in this store."""
+
+
+class AmbiguousId(StoreError):
+    """An id prefix that more than one snapshot's id begins with."""
 
 
 class ImageBusy(StoreError):
@@ -607,12 +613,32 @@ class Store:
     # ------------------------------------------------------------- reading
 
     def get(self, snapshot_id: str) -> Snapshot:
-        """The catalog entry of a snapshot; ``UnknownSnapshot`` if none."""
+        """The catalog entry of a snapshot, given by its id or by a unique
+        prefix of it (at least ``PREFIX_MIN``, 4, hex digits, as git takes);
+        ``UnknownSnapshot`` if none, ``AmbiguousId`` if the prefix begins
+        more than one id. The entry holds the full id: use ``snap.id``, not
+        what was given, from then on."""
         snap = self.catalog.get(snapshot_id)
+        if snap is None and (prefix := id_prefix(snapshot_id)) is not None:
+            ids, total = self.catalog.ids_with_prefix(prefix)
+            if total > 1:
+                raise AmbiguousId(f"snapshot id {snapshot_id!r} is ambiguous: {total} snapshots "
+                                  f"in the store {self.root} begin with it "
+                                  f"({candidates(ids, total)}); give more of its digits")
+            snap = self.catalog.get(ids[0]) if ids else None
         if snap is None:
-            raise UnknownSnapshot(f"no snapshot {snapshot_id!r} in the store {self.root}; "
-                                  f"list them with: blockdiff log --store {self.root}")
+            short = (isinstance(snapshot_id, str) and 0 < len(snapshot_id) < 4
+                     and all(c in "0123456789abcdefABCDEF" for c in snapshot_id))
+            raise UnknownSnapshot(f"no snapshot {snapshot_id!r} in the store {self.root}"
+                                  + (" (an id prefix needs at least 4 hex digits)"
+                                     if short else "")
+                                  + f"; list them with: blockdiff log --store {self.root}")
         return snap
+
+    def resolve(self, snapshot_id: str) -> str:
+        """The full id of the snapshot ``snapshot_id`` names (an id or a
+        unique prefix of one, as for :meth:`get`)."""
+        return self.get(snapshot_id).id
 
     def map_path(self, snap: Snapshot) -> Path:
         """Where a snapshot's map is: named by its digest, so a rewritten map
@@ -792,8 +818,7 @@ class Store:
         """The ancestry of a snapshot (or every snapshot), newest first."""
         if snapshot_id is None:
             return self.catalog.all()
-        self.get(snapshot_id)
-        return self.catalog.ancestry(snapshot_id)
+        return self.catalog.ancestry(self.get(snapshot_id).id)
 
     def _lineage_record(self, image: str | os.PathLike) -> dict | None:
         try:
@@ -891,6 +916,7 @@ class Store:
                                  f"{image}")
             parent = parent if parent is not None else known
             parent_snap = None if parent is None else self.get(parent)
+            parent = None if parent_snap is None else parent_snap.id   # a prefix resolved
             parent_map = None if parent_snap is None else self.load_map(parent_snap)
 
             native.fsync(fd, image)
@@ -1107,8 +1133,10 @@ class Store:
         with self._shared():
             snap = self.get(snapshot_id)
             base = None
+            snapshot_id = snap.id   # a prefix resolved
             if since is not None:
                 base = self.get(since)
+                since = base.id
                 if since not in {s.id for s in self.catalog.ancestry(snapshot_id)}:
                     raise UsageError(f"{since} is not an ancestor of {snapshot_id}; "
                                      f"see: blockdiff log --store {self.root} {snapshot_id}")
@@ -1207,6 +1235,7 @@ class Store:
         digest = ""
         with self._shared():
             snap = self.get(snapshot_id)
+            snapshot_id = snap.id   # a prefix resolved
             smap = self.load_map(snap)
             try:
                 self._check_pieces(snap, smap.pieces, whole=True)
@@ -1265,7 +1294,8 @@ class Store:
 
     def rm(self, snapshot_id: str) -> Removal:
         """Delete one snapshot; its descendants stay restorable byte for byte."""
-        result = self._remove([self.get(snapshot_id)], {snapshot_id: "asked"})
+        snap = self.get(snapshot_id)
+        result = self._remove([snap], {snap.id: "asked"})
         self.keep_reserve()
         return result
 

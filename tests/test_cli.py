@@ -233,6 +233,9 @@ def test_same_file_arguments(pair):
     fails("apply", diff, base, "--base", base, code=2, match="same file as BASE")
     fails("create", target, target, "--base", base, code=2, match="same file as TARGET")
     fails("create", base, target, "--base", base, code=2, match="same file as BASE")
+    fails("create", directory / "x.bdiff", base, "--base", base, code=2,
+          match=f"TARGET {base} is the same file as BASE")
+    assert not (directory / "x.bdiff").exists()
 
 
 def test_encoded_extents_are_refused(btrfs):

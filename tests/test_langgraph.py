@@ -38,7 +38,10 @@ from blockdiff.langgraph_saver import (
     MissingConfigKey,
     NoDiskSnapshot,
     SaverError,
+    SnapshotsNotRemoved,
+    ThreadNotEmpty,
     UnknownCheckpoint,
+    UnknownStrategy,
 )
 from blockdiff.store import Store, StoreError
 
@@ -756,3 +759,326 @@ def test_a_new_checkpoint_database_is_private(rig):
             assert path.exists() and os.stat(path).st_mode & 0o777 == 0o600, path
     finally:
         os.umask(old)
+
+
+# ------------------------------------- copy_thread, prune, delete_for_runs
+
+
+def _rows(rig: Rig, thread_id: str) -> list[int]:
+    db = sqlite3.connect(rig.store.root / DB_NAME)
+    try:
+        return [db.execute(f"SELECT COUNT(*) FROM {t} WHERE thread_id = ?",
+                           (thread_id,)).fetchone()[0] for t in ("checkpoints", "blobs", "writes")]
+    finally:
+        db.close()
+
+
+def _snapshot_ids(rig: Rig) -> set[str]:
+    return {s.id for s in rig.store.log()}
+
+
+def _named(history) -> set[str]:
+    return {h.metadata["disk_snapshot"] for h in history}
+
+
+def test_copy_thread_copies_checkpoints_writes_and_disk_snapshots(rig):
+    saver = rig.saver(rig.disk())
+    graph = build(rig, saver, names=("fetch", "approve", "report"))
+    graph.invoke({"log": []}, cfg("src"))             # waits at the interrupt: has writes
+    source = list(saver.list(cfg("src")))
+    snapshots = _snapshot_ids(rig)
+
+    saver.copy_thread("src", "dst")
+
+    copied = list(saver.list(cfg("dst")))
+    assert [checkpoint_id(t.config) for t in copied] == [checkpoint_id(t.config) for t in source]
+    for a, b in zip(source, copied):
+        assert b.config["configurable"]["thread_id"] == "dst"
+        assert (a.checkpoint, a.metadata, a.pending_writes) == (
+            b.checkpoint, b.metadata, b.pending_writes)
+        assert checkpoint_id(a.parent_config) == checkpoint_id(b.parent_config)
+        assert saver.disk_snapshot(a.config) == saver.disk_snapshot(b.config)
+    assert _rows(rig, "dst") == _rows(rig, "src")
+    assert _snapshot_ids(rig) == snapshots              # the same snapshots, named twice
+    assert graph.get_state(cfg("dst")).next == ("approve",)
+
+    # The copy resumes on its own; the source still waits.
+    saver.restore_disk(cfg("dst"))
+    out = graph.invoke(Command(resume="copy"), cfg("dst"))
+    assert out == {"log": ["fetch", "approve:copy", "report"]}
+    assert graph.get_state(cfg("src")).next == ("approve",)
+    assert [checkpoint_id(t.config) for t in saver.list(cfg("src"))] == [
+        checkpoint_id(t.config) for t in source]
+    assert_snapshots_match(rig, graph.get_state_history(cfg("dst")))
+
+    # Pruning one thread away keeps the snapshots the other still names.
+    saver.prune(["src"], strategy="delete")
+    assert saver.get_tuple(cfg("src")) is None and _rows(rig, "src") == [0, 0, 0]
+    assert _named(graph.get_state_history(cfg("dst"))) <= _snapshot_ids(rig)
+    assert snapshots <= _snapshot_ids(rig)
+    assert_snapshots_match(rig, graph.get_state_history(cfg("dst")))
+
+
+def test_copy_thread_refuses_a_target_with_checkpoints(rig):
+    saver = rig.saver()
+    graph = build(rig, saver, names=("think",))
+    graph.invoke({"log": []}, cfg("a"))
+    graph.invoke({"log": ["b"]}, cfg("b"))
+    before = _rows(rig, "b")
+    with pytest.raises(ThreadNotEmpty, match="'b' already has checkpoints"):
+        saver.copy_thread("a", "b")
+    with pytest.raises(ThreadNotEmpty):
+        saver.copy_thread("a", "a")
+    assert _rows(rig, "b") == before
+    assert graph.get_state(cfg("b")).values == {"log": ["b", "think"]}
+    saver.copy_thread("nothing", "c")                  # an empty source copies nothing
+    assert saver.get_tuple(cfg("c")) is None and _rows(rig, "c") == [0, 0, 0]
+    assert isinstance(ThreadNotEmpty("x"), SaverError)
+
+
+def test_prune_keep_latest_keeps_the_head_and_removes_snapshots_only_it_left(rig):
+    saver = rig.saver(rig.disk())
+    graph = build(rig, saver)
+    graph.invoke({"log": []}, cfg("t1"))
+    rig.seen["disk"][("again",)] = rig.images["disk"].read_bytes()
+    graph.invoke({"log": ["again"]}, cfg("t2"))        # starts on the disk t1 left
+    h1 = list(graph.get_state_history(cfg("t1")))
+    h2 = list(graph.get_state_history(cfg("t2")))
+    shared = h1[0].metadata["disk_snapshot"]
+    assert shared in _named(h2)
+    assert len(_named(h1)) == 4 and len(_snapshot_ids(rig)) == 7
+    t2_bytes = {snap: rig.snapshot_bytes(snap) for snap in _named(h2)}
+
+    saver.prune(["t1"])
+
+    kept = list(saver.list(cfg("t1")))
+    assert [checkpoint_id(t.config) for t in kept] == [checkpoint_id(h1[0].config)]
+    assert kept[0].checkpoint == saver.get_tuple(h1[0].config).checkpoint
+    assert graph.get_state(cfg("t1")).values == {"log": list(PIPELINE)}
+    blobs = _rows(rig, "t1")[1]
+    assert blobs == len(kept[0].checkpoint["channel_versions"])
+    # t1's first three snapshots went; its last (shared with t2) and t2's stay.
+    assert _snapshot_ids(rig) == _named(h2) | {shared}
+    assert_snapshots_match(rig, graph.get_state_history(cfg("t1")))
+    assert {snap: rig.snapshot_bytes(snap) for snap in _named(h2)} == t2_bytes
+    assert [checkpoint_id(t.config) for t in saver.list(cfg("t2"))] == [
+        checkpoint_id(h.config) for h in h2]
+    # The kept head goes on: a new run snapshots on from its disk.
+    saver.restore_disk(cfg("t1"))
+    graph.invoke({"log": []}, cfg("t1"))
+    history = list(graph.get_state_history(cfg("t1")))
+    assert len(history) == 7
+    assert_snapshots_match(rig, history)
+
+    saver.prune(["t1", "t2"], strategy="delete")
+    assert list(saver.list(None)) == []
+    assert [_rows(rig, t) for t in ("t1", "t2")] == [[0, 0, 0], [0, 0, 0]]
+    assert _snapshot_ids(rig) == set()
+
+
+def _nested_graph(rig: Rig, saver):
+    inner = StateGraph(State)
+    inner.add_node("approve", lambda s, config: _step(rig, "approve", "none", s))
+    inner.add_edge(START, "approve")
+    outer = StateGraph(State)
+    outer.add_node("think", lambda s: {"log": ["think"]})
+    outer.add_node("sub", inner.compile())
+    outer.add_edge(START, "think")
+    outer.add_edge("think", "sub")
+    return outer.compile(checkpointer=saver)
+
+
+def test_prune_keeps_each_namespace_head_and_its_pending_writes(rig):
+    saver = rig.saver()
+    graph, reference = _nested_graph(rig, saver), _nested_graph(rig, InMemorySaver())
+    for g in (graph, reference):
+        g.invoke({"log": []}, cfg("n"))                 # interrupted inside the subgraph
+    namespaces = {t.config["configurable"]["checkpoint_ns"] for t in saver.list(cfg("n"))}
+    assert len(namespaces) == 2
+    assert graph.get_state(cfg("n"), subgraphs=True).next == ("sub",)
+
+    saver.prune(["n"], strategy="keep_latest")
+
+    listed = list(saver.list(cfg("n")))
+    assert sorted(t.config["configurable"]["checkpoint_ns"] for t in listed) == sorted(
+        namespaces)
+    assert any(t.pending_writes for t in listed)
+    state = graph.get_state(cfg("n"), subgraphs=True)
+    assert state.next == ("sub",) and state.tasks[0].interrupts
+    outs = [g.invoke(Command(resume="pruned"), cfg("n")) for g in (graph, reference)]
+    assert outs[0] == outs[1] and outs[0]["log"][-1] == "approve:pruned"
+
+
+def test_prune_keeps_what_a_delta_channel_is_rebuilt_from(rig):
+    ours, reference = _delta_graph(rig.saver()), _delta_graph(InMemorySaver())
+    for i in range(5):
+        for graph in (ours, reference):
+            graph.invoke({"items": [f"in{i}"]}, cfg("d"))
+    for graph in (ours, reference):     # a head that is no full snapshot of "items"
+        graph.update_state(cfg("d"), {"items": ["edit"]})
+    saver = ours.checkpointer
+    head = saver.get_tuple(cfg("d"))
+    assert head.metadata["counters_since_delta_snapshot"]["items"][0] > 0
+
+    saver.prune(["d"])
+
+    kept = list(saver.list(cfg("d")))
+    assert 1 < len(kept) < 21      # the head and its ancestors back to the last snapshot
+    assert ours.get_state(cfg("d")).values["items"][-2:] == ["b5", "edit"]
+    assert ours.get_state(cfg("d")).values == reference.get_state(cfg("d")).values
+    for graph in (ours, reference):
+        graph.invoke({"items": ["after"]}, cfg("d"))
+    assert ours.get_state(cfg("d")).values == reference.get_state(cfg("d")).values
+    assert ours.get_state(cfg("d")).values["items"][-4:] == ["edit", "after", "a5", "b6"]
+
+
+def test_prune_leaves_snapshots_that_others_took_or_name(rig):
+    image = rig.image()
+    base = rig.store.commit(image, message="base image").id    # taken before the graph
+    saver = rig.saver(rig.disk())
+    graph = build(rig, saver, names=("think", "fetch"))
+    graph.invoke({"log": []}, cfg("g"))
+    history = list(graph.get_state_history(cfg("g")))
+    assert history[-1].metadata["disk_snapshot"] == base      # an unchanged disk reused it
+    last = history[0].metadata["disk_snapshot"]
+    from blockdiff.agent import Agent
+
+    # An agent checkpoints the same, unchanged, disk: it names the graph's snapshot.
+    with Agent(rig.store, "agent-1", disk=rig.disk()) as agent:
+        agent.state["x"] = 1
+        agent.checkpoint("manual")
+        assert agent.db.history("agent-1")[0].disk_snapshot == last
+
+    saver.prune(["g"], strategy="delete")
+
+    assert saver.get_tuple(cfg("g")) is None
+    assert _snapshot_ids(rig) == {base, last}
+    rig.store.restore(last, rig.root / "check.img")
+    assert (rig.root / "check.img").read_bytes() == rig.images["disk"].read_bytes()
+
+
+def test_a_put_that_reused_a_pruned_snapshot_takes_the_disk_again(rig):
+    old = rig.saver(rig.disk())
+    build(rig, old, names=("fetch",)).invoke({"log": []}, cfg("old"))
+    reused = old.get_tuple(cfg("old")).metadata["disk_snapshot"]
+    calls = []
+
+    class PruningDisk(ImageDisk):
+        """Another process prunes the old thread right after the snapshot
+        (an unchanged disk: the old thread's last) is taken."""
+
+        def checkpoint(self, *args, **kwargs):
+            snap = super().checkpoint(*args, **kwargs)
+            calls.append(snap)
+            if len(calls) == 1:
+                other = rig.saver(store=rig.store.root)
+                other.prune(["old"], strategy="delete")
+            return snap
+
+    saver = rig.saver(PruningDisk(rig.store, rig.images["disk"]))
+    graph = build(rig, saver, names=("think",))
+    graph.invoke({"log": []}, cfg("new"))
+
+    assert calls[0] == reused and reused not in _snapshot_ids(rig)
+    assert calls[1] != reused
+    history = list(graph.get_state_history(cfg("new")))
+    assert _named(history) == {calls[1]} <= _snapshot_ids(rig)
+    assert rig.snapshot_bytes(calls[1]) == rig.images["disk"].read_bytes()
+
+
+def test_prune_errors(rig):
+    saver = rig.saver()
+    with pytest.raises(UnknownStrategy, match="'keep_last'"):
+        saver.prune(["t"], strategy="keep_last")
+    assert isinstance(UnknownStrategy("x"), ValueError)
+    saver.prune([])
+    saver.prune(["missing"])
+
+
+def test_snapshots_that_cannot_be_removed_are_reported_after_the_deletion(rig, monkeypatch):
+    saver = rig.saver(rig.disk())
+    graph = build(rig, saver, names=("fetch", "build"))
+    graph.invoke({"log": []}, cfg("t"))
+    named = _named(graph.get_state_history(cfg("t")))
+
+    def refuse(snapshot_id):
+        raise StoreError(f"cannot remove {snapshot_id}")
+
+    monkeypatch.setattr(rig.store, "rm", refuse)
+    with pytest.raises(SnapshotsNotRemoved, match="blockdiff rm") as caught:
+        saver.prune(["t"])
+    latest = saver.get_tuple(cfg("t")).metadata["disk_snapshot"]
+    assert set(caught.value.snapshots) == named - {latest}
+    assert len(list(saver.list(cfg("t")))) == 1         # the deletion stands
+    assert _snapshot_ids(rig) >= named
+
+
+def _run_config(thread_id: str, run_id: str) -> dict:
+    return {"configurable": {"thread_id": thread_id}, "metadata": {"run_id": run_id}}
+
+
+def test_delete_for_runs_deletes_those_runs_checkpoints_in_every_thread(rig):
+    saver = rig.saver(rig.disk())
+    graph = build(rig, saver, names=("fetch", "think"))
+    graph.invoke({"log": []}, _run_config("t1", "r1"))
+    graph.invoke({"log": []}, _run_config("t1", "r2"))
+    graph.invoke({"log": []}, _run_config("t2", "r1"))
+    graph.invoke({"log": []}, cfg("t3"))                 # no run id
+    by_run = {}
+    for t in saver.list(None):
+        by_run.setdefault(t.metadata.get("run_id"), []).append(t)
+    assert sorted(len(v) for v in by_run.values()) == [4, 4, 8]
+    kept_before = {checkpoint_id(t.config) for t in by_run["r2"] + by_run[None]}
+    kept_bytes = {snap: rig.snapshot_bytes(snap) for snap in _named(by_run["r2"] + by_run[None])}
+
+    saver.delete_for_runs(["r1", "unknown"])
+
+    left = list(saver.list(None))
+    assert {checkpoint_id(t.config) for t in left} == kept_before
+    assert {t.metadata.get("run_id") for t in left} == {"r2", None}
+    assert saver.get_tuple(cfg("t2")) is None and _rows(rig, "t2") == [0, 0, 0]
+    assert graph.get_state(cfg("t1")).values == {"log": ["fetch", "think"] * 2}
+    assert {snap: rig.snapshot_bytes(snap) for snap in _named(left)} == kept_bytes
+    assert _snapshot_ids(rig) < _named(by_run["r1"]) | set(kept_bytes)
+    saver.delete_for_runs([])
+    assert len(list(saver.list(None))) == len(left)
+
+
+def test_delete_for_runs_reads_the_run_of_checkpoints_saved_before_the_column(rig):
+    saver = rig.saver()
+    graph = build(rig, saver, names=("think",))
+    graph.invoke({"log": []}, _run_config("t", "r1"))
+    graph.invoke({"log": []}, _run_config("t", "r2"))
+    saver.close()
+    db = sqlite3.connect(rig.store.root / DB_NAME)
+    try:       # the database as the first schema had it
+        db.execute("DROP INDEX checkpoints_run_id")
+        db.execute("ALTER TABLE checkpoints DROP COLUMN run_id")
+        db.execute("PRAGMA user_version = 1")
+        db.commit()
+    finally:
+        db.close()
+
+    saver = rig.saver(store=rig.store.root)
+    assert saver.schema_version == 2
+    saver.delete_for_runs(["r1"])
+
+    assert {t.metadata["run_id"] for t in saver.list(cfg("t"))} == {"r2"}
+    assert len(list(saver.list(cfg("t")))) == 3
+
+
+def test_async_copy_prune_and_delete_for_runs(rig):
+    saver = rig.saver(rig.disk())
+    graph = build(rig, saver, names=("fetch", "build"), node=make_async_node)
+
+    async def main():
+        await graph.ainvoke({"log": []}, _run_config("a", "r1"))
+        await saver.acopy_thread("a", "b")
+        assert len([t async for t in saver.alist(cfg("b"))]) == 4
+        await saver.aprune(["a"])
+        assert len([t async for t in saver.alist(cfg("a"))]) == 1
+        await saver.adelete_for_runs(["r1"])
+        assert [t async for t in saver.alist(None)] == []
+
+    asyncio.run(main())
+    assert _snapshot_ids(rig) == set()
