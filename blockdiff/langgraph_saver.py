@@ -50,8 +50,8 @@ from; ``"delete"``: none) and ``delete_for_runs`` (the checkpoints whose
 metadata has one of the run ids). What they delete takes its writes and the
 channel values nothing else uses with it, and the disk snapshots that only the
 deleted checkpoints used are removed from the store (``Store.rm``; every other
-snapshot stays restorable), except those that a checkpoint of any thread, an
-agent checkpoint (``agent.sqlite``) still names, or that a LangGraph saver did
+snapshot stays restorable), except those that a checkpoint of any thread or an
+agent checkpoint (``agent.sqlite``) still names, and those a LangGraph saver did
 not take (a snapshot an unchanged disk reused, such as its base image's).
 """
 
