@@ -103,7 +103,8 @@ _SNAPSHOT_ATTEMPTS = 3
 _CHUNK = 500
 _CHECKPOINT_COLUMNS = ("thread_id, checkpoint_ns, checkpoint_id, parent_checkpoint_id, "
                        "checkpoint_type, checkpoint, metadata_type, metadata, disk_snapshot, "
-                       "created, run_id")
+                       "created")
+_TABLES = ("checkpoints", "checkpoint_runs", "blobs", "writes")
 
 # Index i holds the script that takes the database from version i to i + 1
 # (PRAGMA user_version). Append; never edit an applied one.
@@ -148,10 +149,18 @@ MIGRATIONS = [
     """,
     # The run that made a checkpoint (its metadata's run_id, '' if none), for
     # delete_for_runs: metadata is serialized (and may be encrypted), so SQL
-    # cannot read it. NULL on rows written before: their metadata is read once.
+    # cannot read it. A table of its own, so that a process of an earlier
+    # version still running on the store keeps saving; a checkpoint without a
+    # row here (saved before, or by such a process) has its metadata read once.
     """
-    ALTER TABLE checkpoints ADD COLUMN run_id TEXT;
-    CREATE INDEX checkpoints_run_id ON checkpoints (run_id);
+    CREATE TABLE checkpoint_runs (
+        thread_id TEXT NOT NULL,
+        checkpoint_ns TEXT NOT NULL,
+        checkpoint_id TEXT NOT NULL,
+        run_id TEXT NOT NULL,
+        PRIMARY KEY (thread_id, checkpoint_ns, checkpoint_id)
+    );
+    CREATE INDEX checkpoint_runs_run_id ON checkpoint_runs (run_id);
     """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -476,11 +485,12 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
                                    blobs)
                     db.execute(
                         f"INSERT OR REPLACE INTO checkpoints ({_CHECKPOINT_COLUMNS}) "
-                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                         (thread_id, checkpoint_ns, checkpoint["id"],
                          _configurable(config).get("checkpoint_id"), checkpoint_type,
-                         checkpoint_blob, metadata_type, metadata_blob, snapshot, time.time(),
-                         run_id))
+                         checkpoint_blob, metadata_type, metadata_blob, snapshot, time.time()))
+                    db.execute("INSERT OR REPLACE INTO checkpoint_runs VALUES (?, ?, ?, ?)",
+                               (thread_id, checkpoint_ns, checkpoint["id"], run_id))
                 break
             else:
                 raise SaverError(f"the disk snapshot of checkpoint {checkpoint['id']} of thread "
@@ -525,7 +535,7 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
     def delete_thread(self, thread_id: str) -> None:
         """Delete a thread's checkpoints and writes (its disk snapshots stay)."""
         with self._write() as db:
-            for table in ("checkpoints", "blobs", "writes"):
+            for table in _TABLES:
                 db.execute(f"DELETE FROM {table} WHERE thread_id = ?", (str(thread_id),))
 
     def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
@@ -544,6 +554,9 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
             columns = _CHECKPOINT_COLUMNS.split(", ", 1)[1]
             db.execute(f"INSERT INTO checkpoints ({_CHECKPOINT_COLUMNS}) "
                        f"SELECT ?, {columns} FROM checkpoints WHERE thread_id = ?",
+                       (target, source))
+            db.execute("INSERT OR REPLACE INTO checkpoint_runs SELECT ?, checkpoint_ns, "
+                       "checkpoint_id, run_id FROM checkpoint_runs WHERE thread_id = ?",
                        (target, source))
             db.execute("INSERT OR REPLACE INTO blobs SELECT ?, checkpoint_ns, channel, version, "
                        "type, value FROM blobs WHERE thread_id = ?", (target, source))
@@ -583,7 +596,7 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
                                if cid not in keep]
                 if strategy == "delete":
                     # Writes and values left without a checkpoint go too.
-                    for table in ("writes", "blobs"):
+                    for table in _TABLES[1:]:
                         db.execute(f"DELETE FROM {table} WHERE thread_id = ?", (thread,))
             return doomed
 
@@ -604,8 +617,9 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
             doomed = []
             for chunk in _chunks(runs):
                 doomed += db.execute(
-                    "SELECT thread_id, checkpoint_ns, checkpoint_id, disk_snapshot "
-                    f"FROM checkpoints WHERE run_id IN ({_marks(chunk)})", chunk).fetchall()
+                    "SELECT c.thread_id, c.checkpoint_ns, c.checkpoint_id, c.disk_snapshot "
+                    "FROM checkpoint_runs r JOIN checkpoints c USING (thread_id, checkpoint_ns, "
+                    f"checkpoint_id) WHERE r.run_id IN ({_marks(chunk)})", chunk).fetchall()
             return doomed
 
         self._delete_and_release(select)
@@ -661,16 +675,18 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
             (thread_id, checkpoint_ns, channel, str(version))).fetchone() is not None
 
     def _record_run_ids(self, db) -> None:
-        """Fill in the run id of rows written before the column was."""
-        rows = db.execute("SELECT thread_id, checkpoint_ns, checkpoint_id, metadata_type, "
-                          "metadata FROM checkpoints WHERE run_id IS NULL").fetchall()
-        updates = []
+        """Record the run of checkpoints saved without (before the table, or
+        by an earlier version's process), from their metadata."""
+        rows = db.execute(
+            "SELECT c.thread_id, c.checkpoint_ns, c.checkpoint_id, c.metadata_type, c.metadata "
+            "FROM checkpoints c LEFT JOIN checkpoint_runs r USING (thread_id, checkpoint_ns, "
+            "checkpoint_id) WHERE r.run_id IS NULL").fetchall()
+        found = []
         for thread_id, checkpoint_ns, checkpoint_id, metadata_type, metadata in rows:
             run_id = (self.serde.loads_typed((metadata_type, metadata)) or {}).get("run_id")
-            updates.append(("" if run_id is None else str(run_id), thread_id, checkpoint_ns,
-                            checkpoint_id))
-        db.executemany("UPDATE checkpoints SET run_id = ? WHERE thread_id = ? "
-                       "AND checkpoint_ns = ? AND checkpoint_id = ?", updates)
+            found.append((thread_id, checkpoint_ns, checkpoint_id,
+                          "" if run_id is None else str(run_id)))
+        db.executemany("INSERT OR REPLACE INTO checkpoint_runs VALUES (?, ?, ?, ?)", found)
 
     def _delete_and_release(self, select) -> None:
         """In one transaction: delete the checkpoints ``select(db)`` names
@@ -686,10 +702,9 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
             try:
                 doomed = select(db)
                 keys = [row[:3] for row in doomed]
-                db.executemany("DELETE FROM checkpoints WHERE thread_id = ? "
-                               "AND checkpoint_ns = ? AND checkpoint_id = ?", keys)
-                db.executemany("DELETE FROM writes WHERE thread_id = ? AND checkpoint_ns = ? "
-                               "AND checkpoint_id = ?", keys)
+                for table in ("checkpoints", "checkpoint_runs", "writes"):
+                    db.executemany(f"DELETE FROM {table} WHERE thread_id = ? "
+                                   "AND checkpoint_ns = ? AND checkpoint_id = ?", keys)
                 for thread_id, checkpoint_ns in sorted({row[:2] for row in doomed}):
                     self._drop_unused_blobs(db, thread_id, checkpoint_ns)
             except BaseException:

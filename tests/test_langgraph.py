@@ -1044,7 +1044,7 @@ def test_delete_for_runs_deletes_those_runs_checkpoints_in_every_thread(rig):
     assert len(list(saver.list(None))) == len(left)
 
 
-def test_delete_for_runs_reads_the_run_of_checkpoints_saved_before_the_column(rig):
+def test_delete_for_runs_reads_the_run_of_checkpoints_saved_without_one(rig):
     saver = rig.saver()
     graph = build(rig, saver, names=("think",))
     graph.invoke({"log": []}, _run_config("t", "r1"))
@@ -1052,8 +1052,7 @@ def test_delete_for_runs_reads_the_run_of_checkpoints_saved_before_the_column(ri
     saver.close()
     db = sqlite3.connect(rig.store.root / DB_NAME)
     try:       # the database as the first schema had it
-        db.execute("DROP INDEX checkpoints_run_id")
-        db.execute("ALTER TABLE checkpoints DROP COLUMN run_id")
+        db.execute("DROP TABLE checkpoint_runs")
         db.execute("PRAGMA user_version = 1")
         db.commit()
     finally:
@@ -1061,10 +1060,26 @@ def test_delete_for_runs_reads_the_run_of_checkpoints_saved_before_the_column(ri
 
     saver = rig.saver(store=rig.store.root)
     assert saver.schema_version == 2
+    graph = build(rig, saver, names=("think",))
+    graph.invoke({"log": []}, _run_config("t", "r1"))
+    db = sqlite3.connect(rig.store.root / DB_NAME)
+    try:       # and as an earlier version's process, still running, saves them
+        db.execute("DELETE FROM checkpoint_runs WHERE checkpoint_id IN (SELECT checkpoint_id "
+                   "FROM checkpoint_runs ORDER BY checkpoint_id LIMIT 1)")
+        db.commit()
+    finally:
+        db.close()
     saver.delete_for_runs(["r1"])
 
     assert {t.metadata["run_id"] for t in saver.list(cfg("t"))} == {"r2"}
     assert len(list(saver.list(cfg("t")))) == 3
+    saver.delete_thread("t")
+    assert _rows(rig, "t") == [0, 0, 0]
+    db = sqlite3.connect(rig.store.root / DB_NAME)
+    try:
+        assert db.execute("SELECT COUNT(*) FROM checkpoint_runs").fetchone()[0] == 0
+    finally:
+        db.close()
 
 
 def test_async_copy_prune_and_delete_for_runs(rig):
