@@ -135,6 +135,9 @@ def main():
               help="Image to diff against; without it the diff holds TARGET's data (compaction).")
 @click.option("--format", "fmt", type=click.Choice(["v1", "v2"]), default="v2", show_default=True,
               help="v2: checksums, zero ranges, base identity. v1: CognitionAI's BDIFFv1.")
+@click.option("--base-digest", is_flag=True,
+              help="v2: also record a digest of the whole base (read in full), which "
+                   "apply --verify-base checks.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing on success.")
 @reports_errors
 def create(out, target, base, fmt, base_digest, quiet):
@@ -156,9 +159,6 @@ def create(out, target, base, fmt, base_digest, quiet):
         click.echo(f"{out}: {fmt}, {result.ranges} ranges, {_size(result.data_bytes)} data, "
                    f"{_size(result.zero_bytes)} zeros, target {_size(result.target_size)} "
                    f"({result.method}, {result.reflinked} ranges reflinked)")
-@click.option("--base-digest", is_flag=True,
-              help="v2: also record a digest of the whole base (read in full), which "
-                   "apply --verify-base checks.")
 
 
 @main.command()
@@ -166,6 +166,9 @@ def create(out, target, base, fmt, base_digest, quiet):
 @click.argument("target", type=click.Path(dir_okay=False))
 @click.option("--base", type=click.Path(dir_okay=False),
               help="The image the diff was made against (never modified).")
+@click.option("--verify-base", is_flag=True,
+              help="Also read the whole base and compare it with the digest the diff records "
+                   "(a diff made with create --base-digest).")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing on success.")
 @reports_errors
 def apply(diff, target, base, verify_base, quiet):
@@ -188,9 +191,6 @@ def apply(diff, target, base, verify_base, quiet):
         click.echo(f"{target}: {_size(result.target_size)} from v{result.version} diff, "
                    f"{result.ranges} ranges ({result.reflinked} reflinked)")
 
-@click.option("--verify-base", is_flag=True,
-              help="Also read the whole base and compare it with the digest the diff records "
-                   "(a diff made with create --base-digest).")
 
 @main.command()
 @click.argument("path", metavar="IN", type=click.Path(dir_okay=False))
