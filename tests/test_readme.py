@@ -506,6 +506,43 @@ def test_library_python_example(xfs, monkeypatch):
         (xfs / "srv" / "sandboxes" / "disk.img").read_bytes()
 
 
+def _exit_table() -> dict[int, tuple[str, str]]:
+    text = README.read_text()
+    table = text[text.index("| exit | `blockdiff` | the example agent |"):]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        code, ours, example = (c.strip() for c in line.strip("|").split("|"))
+        rows[int(code)] = (ours, example)
+    return rows
+
+
+def test_the_exit_table_is_what_the_code_returns():
+    import importlib
+
+    from blockdiff.errors import BlockdiffError
+
+    for module in ("agent", "agentlink", "demo", "nbd", "qemu", "sealing", "store", "vmimage"):
+        importlib.import_module(f"blockdiff.{module}")
+    classes, codes = [BlockdiffError], set()
+    while classes:
+        cls = classes.pop()
+        codes.add(cls.exit_code)
+        classes.extend(cls.__subclasses__())
+    cli = (ROOT / "blockdiff" / "cli.py").read_text()
+    codes |= {int(c) for c in re.findall(r"_fail\([^\n]*?, (\d+)\)\n", cli)}
+    codes |= {int(c) for c in re.findall(r"sys\.exit\((\d+)\)", cli)}
+    rows = _exit_table()
+    assert {c for c, (ours, _) in rows.items() if ours} == codes
+    example = (ROOT / "examples" / "agent_example.py").read_text()
+    _names, values = re.search(r"^(EXIT_\w+(?:, EXIT_\w+)*) = ([\d, ]+)$", example,
+                              re.M).groups()
+    statuses = {int(v) for v in values.split(", ")}
+    assert "signal.SIGKILL" in example          # --crash-at: 128 + 9 in a shell
+    assert {c for c, (_, theirs) in rows.items() if theirs} == statuses | {137}
+
+
 def test_console_parsing_and_matching():
     """The rules above, on a made-up block."""
     commands = console_commands(textwrap.dedent("""\
