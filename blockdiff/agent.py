@@ -821,7 +821,16 @@ class Agent:
         left undecided past ``ttl`` seconds comes back as ``expired``."""
         if self._step is not None:
             raise AgentError("ask for approval between steps, where the thread is checkpointed")
-        self._checkpoint("approval", {"approval": True})
+        # A run resumed at the checkpoint where it asked finds its approval
+        # there: it is not checkpointed again first, since a running VM's disk
+        # changes between the two (a filesystem freeze writes), and a new
+        # checkpoint would mean a new approval.
+        seen_head, count = self._approvals_asked
+        again = count + 1 if seen_head == self.head else 0
+        if self.head is None or self.db.db.execute(
+                "SELECT 1 FROM approvals WHERE id = ?",
+                (request_id(self.head, again, "approval"),)).fetchone() is None:
+            self._checkpoint("approval", {"approval": True})
         # Several approvals asked at one head (nothing changed in between) are
         # told apart by their order, which a replay repeats.
         seen_head, count = self._approvals_asked
