@@ -318,12 +318,13 @@ def test_expired_approval_is_skipped(env):
 # How often a normal run passes each point: the first run (from a new thread
 # to the approval of order 3) and the run after the approval (orders 3, 4).
 # checkpoint.*: the start node, orders 1 and 2, the approval's node; after the
-# approval, checkpoint.disk is passed once more by the approval's re-check.
+# approval, the resumed run finds its approval at the head without a new
+# checkpoint, and checkpoint.disk is passed by orders 3 and 4 only.
 PASSES = {
     "first": {"call.intent": 2, "call.ran": 2, "call.recorded": 2, "checkpoint.disk": 4,
               "checkpoint.recorded": 4, "sandbox.partial": 2, "sandbox.written": 2},
     "after_approval": {"call.intent": 2, "call.ran": 2, "call.recorded": 2,
-                       "checkpoint.disk": 3, "checkpoint.recorded": 2, "sandbox.partial": 2,
+                       "checkpoint.disk": 2, "checkpoint.recorded": 2, "sandbox.partial": 2,
                        "sandbox.written": 2},
 }
 CRASHES = [("first", point, n) for point in PASSES["first"] for n in (1, 2)]
