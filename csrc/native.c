@@ -141,6 +141,19 @@ static void prefetch(int fd, const uint64_t *off, const uint64_t *len,
                       POSIX_FADV_WILLNEED);
 }
 
+/* Prefetch the window of ranges that starts at range i (PREFETCH_WINDOW
+ * bytes, at least one range); returns the index of the first range after it. */
+static size_t prefetch_window(int fd, const uint64_t *off, const uint64_t *len,
+                              size_t n, size_t i)
+{
+    uint64_t bytes = 0;
+    size_t j = i;
+    while (j < n && (bytes < PREFETCH_WINDOW || j == i))
+        bytes += len[j++];
+    prefetch(fd, off + i, len + i, j - i, 0);
+    return j;
+}
+
 /* Copy through a user-space buffer, optionally checksumming on the way. With
  * dst_fd < 0 it only checksums. */
 static int copy_buffered(int src_fd, uint64_t src_off, int dst_fd,
@@ -181,14 +194,8 @@ int bd_chunk_crcs(int fd, const uint64_t *off, const uint64_t *len, size_t n,
     int rc = 0;
     size_t out = 0, prefetched = 0;
     for (size_t i = 0; i < n && !rc; i++) {
-        if (i == prefetched) {
-            uint64_t bytes = 0;
-            size_t j = i;
-            while (j < n && (bytes < PREFETCH_WINDOW || j == i))
-                bytes += len[j++];
-            prefetch(fd, off + i, len + i, j - i, 0);
-            prefetched = j;
-        }
+        if (i == prefetched)
+            prefetched = prefetch_window(fd, off, len, n, i);
         uint64_t at = off[i], left = len[i];
         while (left) {
             size_t step = left < COPY_BUFFER ? (size_t)left : COPY_BUFFER;
@@ -391,15 +398,8 @@ int bd_transfer_ranges(int src_fd, int dst_fd, const uint64_t *src_off,
     for (size_t i = 0; i < n; i++) {
         uint64_t so = src_off[i], l = len[i];
         uint64_t dof = dst_off ? dst_off[i] : 0;
-        if (buf && i == prefetched) {
-            /* Prefetch the next window of ranges we will read. */
-            uint64_t bytes = 0;
-            size_t j = i;
-            while (j < n && (bytes < PREFETCH_WINDOW || j == i))
-                bytes += len[j++];
-            prefetch(src_fd, src_off + i, len + i, j - i, 0);
-            prefetched = j;
-        }
+        if (buf && i == prefetched)   /* the next window of ranges we will read */
+            prefetched = prefetch_window(src_fd, src_off, len, n, i);
         if (dst_fd < 0 || (mode == 0 && crcs)) {
             /* Checksums need the bytes; reading them also catches a source
              * shorter than its range table says. */
