@@ -160,10 +160,15 @@ def transfer_ranges(src_fd: int, dst_fd: int, src_off: np.ndarray,
     return crcs, int(cloned[0])
 
 
+# The largest chunk bd_chunk_crcs takes; a chunk must divide it (its buffer).
+CHUNK_CRC_MAX = 1 << 20
+
+
 def chunk_crcs(fd: int, offset: np.ndarray, length: np.ndarray, chunk: int,
                path: str | os.PathLike) -> np.ndarray:
     """The CRC32C of every ``chunk``-byte chunk of the ranges (a range's last
-    chunk may be shorter), range by range, read a buffer at a time.
+    chunk may be shorter), range by range, read a buffer at a time; ``chunk``
+    must divide CHUNK_CRC_MAX.
     Errors: ENODATA (the file is shorter than a range), EIO."""
     offset = np.ascontiguousarray(offset, _U64)
     length = np.ascontiguousarray(length, _U64)

@@ -240,8 +240,8 @@ def _pack_pieces(pieces: PieceTable) -> bytes:
     return rows.tobytes()
 
 
-def _unpack_pieces(raw: bytes, size: int) -> PieceTable:
-    rows = np.frombuffer(raw, PIECE_DTYPE)
+def _unpack_pieces(rows: np.ndarray, size: int) -> PieceTable:
+    """A piece table from PIECE_DTYPE rows."""
     return PieceTable(rows["offset"].astype(np.uint64), rows["length"].astype(np.uint64),
                       rows["layer"].astype(np.int64), rows["pos"].astype(np.uint64), size)
 
@@ -286,21 +286,36 @@ def _chunk_record(layer: int, fd: int, path, src, dst, length, stat: str = "") -
 _NO_CHUNKS = (np.zeros(0, np.uint64), np.zeros(0, np.uint64))
 
 
-class _Chunks:
-    """A layer's checksummed chunks, sorted by position, with what finding
-    the chunks that hold some runs needs."""
+def _remember(cache: dict, key, value, limit: int) -> None:
+    """Keep ``value`` in a bounded cache (the oldest entries go first)."""
+    cache[key] = value
+    while len(cache) > limit:
+        del cache[next(iter(cache))]
+
+
+class _Layer:
+    """A layer's catalog record, decoded: its runs of data and their
+    checksummed chunks, sorted by position, with what finding the chunks that
+    hold some runs needs. ``ValueError`` if the record does not decode."""
 
     def __init__(self, record: LayerRecord):
-        if len(record.ranges) % RUN_DTYPE.itemsize or len(record.crcs) % 4 or record.chunk < 1:
+        if (len(record.ranges) % RUN_DTYPE.itemsize or len(record.crcs) % 4
+                or not 0 < record.chunk <= native.CHUNK_CRC_MAX
+                or native.CHUNK_CRC_MAX % record.chunk):
             raise ValueError("malformed layer record")
+        self.record = record
         runs = np.frombuffer(record.ranges, RUN_DTYPE)
-        pos, _, length = _chunked(runs["pos"], runs["pos"], runs["length"], record.chunk)
+        self.run_pos, self.run_length = runs["pos"], runs["length"]
+        pos, _, length = _chunked(self.run_pos, self.run_pos, self.run_length, record.chunk)
         self.crc = np.frombuffer(record.crcs, "<u4")
         if len(self.crc) != len(pos) or np.any(pos[1:] < pos[:-1] + length[:-1]):
             raise ValueError("malformed layer record")
         self.pos, self.length = pos, length
         self.end = pos + length
         self.before = np.concatenate(([0], np.cumsum(length, dtype=np.uint64)))
+        self.origin = None
+        if record.origin is not None:
+            self.origin = np.frombuffer(record.origin, PIECE_DTYPE)   # checked here too
 
     def holding(self, pos: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, int]:
         """Indices of the chunks holding the runs, and how many runs lie
@@ -443,8 +458,7 @@ class Store:
         # Maps are named by their digest and never change, so a decoded map
         # can be reused for as long as the store is open; so can a layer's record.
         self._maps: dict[str, SnapshotMap] = {}
-        self._layers: dict[int, LayerRecord] = {}
-        self._chunk_tables: dict[int, _Chunks] = {}
+        self._layers: dict[int, _Layer] = {}
         self._maps_lock = threading.Lock()
         self._held = threading.local()
         self._adopt_unrecorded_layers()
@@ -688,59 +702,43 @@ class Store:
         self._remember_map(snap.map_sha256, smap)
         return smap
 
-    def layer_record(self, layer: int) -> LayerRecord:
-        """The catalog's record of a layer (``Damaged`` if it has none)."""
+    def _layer(self, layer: int) -> _Layer:
+        """The catalog's record of a layer, decoded (``Damaged`` if it has
+        none or it does not decode)."""
         layer = int(layer)
         with self._maps_lock:
-            record = self._layers.get(layer)
-        if record is None:
-            record = self.catalog.layer(layer)
-            if record is None:
-                raise Damaged(f"layer {_layer_name(layer)} has no record in the catalog; "
-                              f"run: blockdiff verify --store {self.root}")
-            with self._maps_lock:
-                self._layers[layer] = record
-                while len(self._layers) > LAYER_CACHE:
-                    del self._layers[next(iter(self._layers))]
-        return record
-
-    def _forget_layer(self, layer: int) -> None:
-        with self._maps_lock:
-            self._layers.pop(int(layer), None)
-            self._chunk_tables.pop(int(layer), None)
-
-    def _chunks(self, layer: int) -> _Chunks:
-        layer = int(layer)
-        with self._maps_lock:
-            known = self._chunk_tables.get(layer)
+            known = self._layers.get(layer)
         if known is not None:
             return known
+        record = self.catalog.layer(layer)
+        if record is None:
+            raise Damaged(f"layer {_layer_name(layer)} has no record in the catalog; "
+                          f"run: blockdiff verify --store {self.root}")
         try:
-            table = _Chunks(self.layer_record(layer))
+            decoded = _Layer(record)
         except ValueError:
             raise Damaged(f"the catalog's record of layer {_layer_name(layer)} is damaged; "
                           f"run: blockdiff verify --store {self.root}") from None
         with self._maps_lock:
-            self._chunk_tables[layer] = table
-            while len(self._chunk_tables) > LAYER_CACHE:
-                del self._chunk_tables[next(iter(self._chunk_tables))]
-        return table
+            _remember(self._layers, layer, decoded, LAYER_CACHE)
+        return decoded
 
-    def _bad_chunks(self, layer: int, pos: np.ndarray | None = None,
-                    length: np.ndarray | None = None) -> tuple[tuple, int, str]:
-        """Check a layer's chunks: all of them, or those holding the runs
-        ``pos``/``length`` (found by binary search: the cost follows the runs,
-        not the layer). Returns ``((position, length) of the bad chunks,
-        bytes read, problem)``;
+    def _forget_layer(self, layer: int) -> None:
+        with self._maps_lock:
+            self._layers.pop(int(layer), None)
+
+    def _bad_chunks(self, layer: int, pos: np.ndarray,
+                    length: np.ndarray) -> tuple[tuple, int, str]:
+        """Check the chunks of a layer holding the runs ``pos``/``length``
+        (found by binary search: the cost follows the runs, not the layer).
+        Returns ``((position, length) of the bad chunks, bytes read, problem)``;
         ``problem`` names what makes the runs unreadable (a missing file,
         runs no chunk holds), else it is empty."""
-        table = self._chunks(layer)
-        index = np.arange(len(table.pos))
-        if pos is not None:
-            index, loose = table.holding(pos, length)
-            if loose:
-                return _NO_CHUNKS, 0, (f"{_layer_name(layer)}: {loose} range(s) in no "
-                                       f"checksummed chunk")
+        table = self._layer(layer)
+        index, loose = table.holding(pos, length)
+        if loose:
+            return _NO_CHUNKS, 0, (f"{_layer_name(layer)}: {loose} range(s) in no "
+                                   f"checksummed chunk")
         path = self.layer_path(layer)
         c_pos, c_len = table.pos[index], table.length[index]
         try:
@@ -752,10 +750,28 @@ class Store:
         bad = crcs != table.crc[index]
         return (c_pos[bad], c_len[bad]), int(c_len.sum()), ""
 
+    def _check_whole(self, layer: int) -> tuple[tuple, int, str]:
+        """Check every chunk of a layer, in one pass over its runs, and vouch
+        for it when all match. Returns what :meth:`_bad_chunks` does."""
+        table = self._layer(layer)
+        path = self.layer_path(layer)
+        try:
+            identity = _file_identity(path)
+            with open(path, "rb") as f:
+                crcs = native.chunk_crcs(f.fileno(), table.run_pos, table.run_length,
+                                         table.record.chunk, path)
+        except OSError as e:
+            return _NO_CHUNKS, 0, f"{path.name}: {e.strerror or e}"
+        bad = crcs != table.crc
+        if not bad.any():
+            self.catalog.mark_checked(layer, time.time(), identity)
+            self._forget_layer(layer)
+        return (table.pos[bad], table.length[bad]), int(table.length.sum()), ""
+
     def _vouched(self, layer: int) -> bool:
         """Whether a layer's file is unchanged since a whole check passed
         recently enough (see VOUCH_SECONDS)."""
-        record = self.layer_record(layer)
+        record = self._layer(layer).record
         if not record.stat or time.time() - record.checked > VOUCH_SECONDS:
             return False
         try:
@@ -773,11 +789,8 @@ class Store:
         for layer, sel in _by_layer(pieces):
             if whole and self._vouched(layer):
                 continue
-            identity = ""
             if whole:
-                with contextlib.suppress(OSError):   # a missing file: reported below
-                    identity = _file_identity(self.layer_path(layer))
-                bad, n, problem = self._bad_chunks(layer)
+                bad, n, problem = self._check_whole(layer)
             else:
                 bad, n, problem = self._bad_chunks(layer, pieces.pos[sel], pieces.length[sel])
             read += n
@@ -786,21 +799,15 @@ class Store:
                                    f"checksum")
                 raise Damaged(f"snapshot {snap.id} is damaged ({what}); nothing was "
                               f"written; run: blockdiff verify --store {self.root}")
-            if whole and identity:
-                self.catalog.mark_checked(layer, time.time(), identity)
-                self._forget_layer(layer)
         return read
 
     def _canonical(self, pieces: PieceTable) -> PieceTable:
         """Pieces with every run of a compaction layer replaced by the runs it
         was copied from, so that compaction changes no comparison."""
         for layer in np.unique(pieces.layer):
-            origin = self.layer_record(int(layer)).origin
+            origin = self._layer(int(layer)).origin
             if origin is None:
                 continue
-            if len(origin) % PIECE_DTYPE.itemsize:
-                raise Damaged(f"the catalog's record of layer {_layer_name(layer)} is damaged; "
-                              f"run: blockdiff verify --store {self.root}")
             # Compaction layers keep each byte at its offset in the image.
             mine = pieces.layer == layer
             starts, ends = pieces.offset[mine], pieces.offset[mine] + pieces.length[mine]
@@ -810,9 +817,7 @@ class Store:
 
     def _remember_map(self, digest: str, smap: SnapshotMap) -> None:
         with self._maps_lock:
-            self._maps[digest] = smap
-            while len(self._maps) > MAP_CACHE:
-                del self._maps[next(iter(self._maps))]
+            _remember(self._maps, digest, smap, MAP_CACHE)
 
     def log(self, snapshot_id: str | None = None) -> list[Snapshot]:
         """The ancestry of a snapshot (or every snapshot), newest first."""
@@ -1458,16 +1463,10 @@ class Store:
             return [f"layer {path.name} is missing"], _NO_CHUNKS
         problems = [f"{path.name} is writable"] if os.stat(path).st_mode & 0o222 else []
         try:
-            identity = _file_identity(path)
-            bad, _, problem = self._bad_chunks(layer)
+            bad, _, problem = self._check_whole(layer)
         except Damaged as e:
             return problems + [str(e).split(";")[0]], _NO_CHUNKS
-        if problem:
-            problems.append(problem)
-        if not problems and not len(bad[0]):
-            self.catalog.mark_checked(layer, time.time(), identity)
-            self._forget_layer(layer)
-        return problems, bad
+        return problems + ([problem] if problem else []), bad
 
     def differences(self, a: Snapshot, b: Snapshot) -> RangeSet:
         """The ranges where snapshot ``b`` holds other bytes than ``a``."""
