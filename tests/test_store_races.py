@@ -271,6 +271,24 @@ def _gc_loop(race: Race, store_dir: Path, gc_args, done: threading.Event, outcom
             return
 
 
+def _beside_gc(race: Race, scratch: Path, store_dir: Path, gc_args, done: threading.Event,
+               gcs: list, workers, others=()) -> subprocess.CompletedProcess:
+    """Run the ``workers`` (and ``others``, which stop when ``done`` is set)
+    beside a ``blockdiff gc`` loop and a sweeping process, until the workers
+    end; then stop the rest and return the sweeper's outcome."""
+    # A worker is a function, or a tuple of a function and its arguments.
+    started = [race.spawn(*w) if isinstance(w, tuple) else race.spawn(w) for w in workers]
+    for other in others:
+        race.spawn(other)
+    race.spawn(_gc_loop, race, store_dir, gc_args, done, gcs)
+    sweeper, stop = _start_sweeper(race, scratch, store_dir)
+    for thread in started:
+        thread.join(RACE_BUDGET + CALL_TIMEOUT)
+    done.set()
+    race.join()
+    return race.finish(sweeper, stop)
+
+
 # ------------------------------------------------------------------ gc vs commit
 
 COMMITS = 15
@@ -306,14 +324,8 @@ def test_gc_racing_commits(xfs, gc_args):
                 proc = race.run("commit", "--store", store_dir, image, "-m", f"step {step}")
                 commits.append((image.name, digest, proc))
 
-        workers = [race.spawn(committer, image, n) for n, image in enumerate(images)]
-        race.spawn(_gc_loop, race, store_dir, gc_args, done, gcs)
-        sweeper, stop = _start_sweeper(race, xfs, store_dir)
-        for worker in workers:
-            worker.join(RACE_BUDGET + CALL_TIMEOUT)
-        done.set()
-        race.join()
-        swept = race.finish(sweeper, stop)
+        swept = _beside_gc(race, xfs, store_dir, gc_args, done, gcs,
+                           [(committer, image, n) for n, image in enumerate(images)])
     finally:
         race.close()
 
@@ -497,14 +509,7 @@ def test_import_racing_restores_and_gc(xfs):
                 if done.is_set() or not race.in_time():
                     return
 
-        worker = race.spawn(importer)
-        race.spawn(restorer)
-        race.spawn(_gc_loop, race, store_b, [], done, gcs)
-        sweeper, stop = _start_sweeper(race, xfs, store_b)
-        worker.join(RACE_BUDGET + CALL_TIMEOUT)
-        done.set()
-        race.join()
-        swept = race.finish(sweeper, stop)
+        swept = _beside_gc(race, xfs, store_b, [], done, gcs, [importer], [restorer])
     finally:
         race.close()
 
@@ -561,13 +566,7 @@ def test_compact_racing_gc(xfs):
                     return
                 compacts.append((snap_id, race.run("compact", "--store", store_dir, snap_id)))
 
-        worker = race.spawn(compactor)
-        race.spawn(_gc_loop, race, store_dir, [], done, gcs)
-        sweeper, stop = _start_sweeper(race, xfs, store_dir)
-        worker.join(RACE_BUDGET + CALL_TIMEOUT)
-        done.set()
-        race.join()
-        swept = race.finish(sweeper, stop)
+        swept = _beside_gc(race, xfs, store_dir, [], done, gcs, [compactor])
     finally:
         race.close()
 
@@ -584,3 +583,71 @@ def test_compact_racing_gc(xfs):
     problems += _sweeper_problems(swept)
     assert not problems, _report(f"{len(gcs)} gc runs and {swept.stdout.strip()} sweeps "
                                  f"beside {len(compacts)} compactions:", problems, xfs)
+
+
+# ------------------------------------------------------------------ export vs rm and gc
+
+def test_export_racing_rm_and_gc(xfs):
+    """Snapshots are exported (whole and as increments) while other snapshots
+    of the same line are removed and gc runs without pause. Every export of a
+    snapshot still there succeeds, and imported into a new store it restores
+    to the bytes committed; verify passes."""
+    store_dir, other_dir = xfs / "store", xfs / "other"
+    for s in (store_dir, other_dir):
+        assert _cli("init", s).returncode == 0
+    image = xfs / "disk.img"
+    make_base_image(image, SIZE, 31)
+    line = _line_of_snapshots(store_dir, image, 12, 32)
+    digests = dict(line)
+    kept = [snap_id for i, (snap_id, _) in enumerate(line) if i % 3 == 0]
+    doomed = [snap_id for snap_id, _ in line if snap_id not in kept]
+    exports_dir = xfs / "exports"
+    exports_dir.mkdir()
+
+    exports, rms, gcs = [], [], []
+    done = threading.Event()
+    race = Race()
+    try:
+        def exporter():
+            for round_ in range(2):
+                for i, snap_id in enumerate(kept):
+                    if race.stop.is_set() or not race.in_time():
+                        return
+                    out = exports_dir / f"{round_}-{snap_id}.bdx"
+                    since = ["--since", kept[i - 1]] if i and round_ else []
+                    exports.append((snap_id, out, since,
+                                    race.run("export", "--store", store_dir, snap_id, out,
+                                             *since)))
+
+        def remover():
+            for snap_id in doomed:
+                if done.is_set() or race.stop.is_set() or not race.in_time():
+                    return
+                rms.append((snap_id, race.run("rm", "--store", store_dir, snap_id)))
+
+        swept = _beside_gc(race, xfs, store_dir, [], done, gcs, [exporter, remover])
+    finally:
+        race.close()
+
+    problems = race.problems()
+    _no_tracebacks(problems, [(f"export {i}", p) for i, _, _, p in exports]
+                   + [(f"rm {i}", p) for i, p in rms] + gcs)
+    problems += [_describe(f"export of {i}", p) for i, _, _, p in exports if p.returncode]
+    problems += [_describe(f"rm of {i}", p) for i, p in rms if p.returncode]
+    problems += [_describe("gc", p) for _, p in gcs if p.returncode != 0]
+    if len(exports) != 2 * len(kept):
+        problems.append(f"{len(exports)} of {2 * len(kept)} exports ran")
+    # Whole exports first, then the increments on them, into the other store.
+    with Store(other_dir) as other:
+        for snap_id, out, since, proc in sorted(exports, key=lambda e: bool(e[2])):
+            if proc.returncode or other.catalog.get(snap_id) is not None:
+                continue
+            other.import_(out)
+    listed = _check_store(problems, other_dir, {i: digests[i] for i in kept}, xfs)
+    problems += [f"snapshot {i} was exported but could not be imported" for i in kept
+                 if i not in listed]
+    _check_store(problems, store_dir, {i: digests[i] for i in kept}, xfs)
+    problems += _sweeper_problems(swept)
+    assert not problems, _report(f"{len(gcs)} gc runs, {swept.stdout.strip()} sweeps and "
+                                 f"{len(rms)} removals beside {len(exports)} exports:",
+                                 problems, xfs)
