@@ -117,6 +117,21 @@ def copy_file(src: str | os.PathLike, dst: str | os.PathLike) -> bool:
         return clone_or_copy(src_fd, out_fd, os.fstat(src_fd).st_size, temp)
 
 
+def temp_beside(final_path: str) -> str:
+    """A new temporary name in the directory of ``final_path``."""
+    # A random name opened O_EXCL, like tempfile.mkstemp, without its import cost.
+    return os.path.join(os.path.dirname(os.path.abspath(final_path)),
+                        f".{os.path.basename(final_path)}.{os.urandom(6).hex()}.partial")
+
+
+def naming_final(error: OSError, temp: str, final_path: str) -> OSError:
+    """``error`` as it should reach the user: naming the file asked for, not
+    the temporary one it was being written as."""
+    if error.filename is not None and os.fspath(error.filename) == temp:
+        return OSError(error.errno, error.strerror, final_path)
+    return error
+
+
 @contextlib.contextmanager
 def atomic_output(final_path: str, mode: int = 0o666):
     """A temporary file beside ``final_path`` that replaces it only on success.
@@ -132,13 +147,19 @@ def atomic_output(final_path: str, mode: int = 0o666):
     left untouched.
     """
     directory = os.path.dirname(os.path.abspath(final_path))
-    # O_EXCL with a random name, like tempfile.mkstemp, without its import cost.
-    temp = os.path.join(directory, f".{os.path.basename(final_path)}.{os.urandom(6).hex()}.partial")
-    fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode & 0o7777)
+    temp = temp_beside(final_path)
+    try:
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode & 0o7777)
+    except OSError as e:
+        raise naming_final(e, temp, final_path) from None
     try:
         yield fd, temp
         native.fsync(fd, temp)
         os.rename(temp, final_path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise naming_final(e, temp, final_path) from None
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temp)

@@ -74,6 +74,7 @@ from blockdiff.extents import (
     subtract,
     union,
 )
+from blockdiff.retention import apply_policy, check_duration
 
 BLOCK = 4096
 LINEAGE_XATTR = "user.blockdiff.lineage"
@@ -908,8 +909,6 @@ class Store:
         ranges cannot describe the change: the image's lineage is not a
         clean snapshot of this store, another parent is given, or its size
         changed."""
-        from blockdiff.retention import check_duration
-
         if ttl is not None:
             ttl = check_duration(ttl, "ttl")
         image = os.fspath(image)
@@ -1153,8 +1152,7 @@ class Store:
             trailer += struct.pack("<Q", len(trailer)) + EXPORT_MAGIC
             # The diff and then the record go to a temporary name beside OUT,
             # renamed only once both are on it: a whole export or nothing.
-            temp = os.path.join(os.path.dirname(os.path.abspath(out)),
-                                f".{os.path.basename(out)}.{os.urandom(6).hex()}.partial")
+            temp = engine.temp_beside(out)
             try:
                 with self._materialized(base) as base_path, self._materialized(
                         snap, on=None if base is None else (base, base_path)) as target:
@@ -1169,10 +1167,7 @@ class Store:
             except OSError as e:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(temp)
-                if e.filename and os.path.basename(os.fspath(e.filename)).endswith(".partial"):
-                    # Name the file the user asked for, not the temporary one.
-                    raise OSError(e.errno, e.strerror, out) from None
-                raise
+                raise engine.naming_final(e, temp, out) from None
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(temp)
@@ -1196,6 +1191,8 @@ class Store:
             with open(path, "rb") as f:
                 engine.verify_data(f.fileno(), header, path)
             return ImportResult([sid], skipped=f"snapshot {sid} is in the store already")
+        # Refused here before the diff is applied; commit checks the same again
+        # in the transaction that would add the snapshot, where no race can pass.
         if self.catalog.retired(sid):
             raise StoreError(f"snapshot {sid} was removed from this store; an import cannot "
                              f"bring it back under the same id (images restored from it may "
@@ -1374,8 +1371,6 @@ class Store:
     def gc(self, policy, *, now: float | None = None, dry_run: bool = False) -> Removal:
         """Remove expired snapshots and those the policy does not keep, then
         sweep files no snapshot uses (left by interrupted operations)."""
-        from blockdiff.retention import apply_policy
-
         _, remove, reasons = apply_policy(self.catalog.all(), policy,
                                           time.time() if now is None else now)
         reasons = {s.id: reasons[s.id] for s in remove}

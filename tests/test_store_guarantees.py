@@ -470,3 +470,16 @@ def test_full_disk_names_enospc_and_gc_still_frees_space(fresh_filesystem):
     assert os.statvfs(root).f_bavail * os.statvfs(root).f_frsize > 16 * 1024 * 1024
     cli("log", store=root / "store", check=0)
     os.unlink(root / "filler")
+
+
+def test_errors_name_the_output_not_its_temporary_file(store, xfs, fresh_filesystem):
+    image, snaps, digests = line(store, xfs, 2)
+    full = fresh_filesystem("xfs", size=320 * 1024 * 1024)
+    filesystems.fill(full)
+    for args, out in ((["export", snaps[1].id], full / "one.bdx"),
+                      (["restore", snaps[1].id], full / "fork.img")):
+        proc = cli(*args, out, store=store.root, check=1)
+        assert "No space left on device" in proc.stderr, proc.stderr
+        assert str(out) in proc.stderr and ".partial" not in proc.stderr, proc.stderr
+        assert not out.exists()
+    assert [p.name for p in full.iterdir()] == ["filler"]
