@@ -448,30 +448,22 @@ def test_seeds_are_valid(seeds, tmp_path):
         assert (tmp_path / "out.img").read_bytes() == (directory / "target.img").read_bytes()
 
 
+@pytest.mark.parametrize("reader", ["read_diff", "view", "apply"])
 @_FUZZ
 @given(seed=st.sampled_from(["seed-v1-base", "seed-v1-full", "seed-v2-base", "seed-v2-full"]),
        ops=operations(), fix=st.sampled_from([True, True, True, False]))
-def test_read_diff_on_mutations(seeds, tmp_path, seed, ops, fix):
-    _, made = seeds
-    check_read(_write(tmp_path, mutate(made[seed][0], ops, fix)))
-
-
-@_FUZZ
-@given(seed=st.sampled_from(["seed-v1-base", "seed-v1-full", "seed-v2-base", "seed-v2-full"]),
-       ops=operations(), fix=st.sampled_from([True, True, True, False]))
-def test_view_on_mutations(seeds, tmp_path, seed, ops, fix):
-    _, made = seeds
-    check_view(_write(tmp_path, mutate(made[seed][0], ops, fix)))
-
-
-@_FUZZ
-@given(seed=st.sampled_from(["seed-v1-base", "seed-v1-full", "seed-v2-base", "seed-v2-full"]),
-       ops=operations(), fix=st.sampled_from([True, True, True, False]))
-def test_apply_on_mutations(seeds, tmp_path, seed, ops, fix):
+def test_readers_on_mutations(seeds, tmp_path, reader, seed, ops, fix):
+    """Each reader of diffs (the library's read_diff, ``view`` through the
+    CLI, apply over an existing file) on mutations of valid diffs."""
     directory, made = seeds
     data, with_base = made[seed]
     path = _write(tmp_path, mutate(data, ops, fix))
-    check_apply(path, directory / BASE_NAME if with_base else None, tmp_path / "out")
+    if reader == "read_diff":
+        check_read(path)
+    elif reader == "view":
+        check_view(path)
+    else:
+        check_apply(path, directory / BASE_NAME if with_base else None, tmp_path / "out")
 
 
 @settings(max_examples=100, deadline=None,
