@@ -483,3 +483,22 @@ def test_errors_name_the_output_not_its_temporary_file(store, xfs, fresh_filesys
         assert str(out) in proc.stderr and ".partial" not in proc.stderr, proc.stderr
         assert not out.exists()
     assert [p.name for p in full.iterdir()] == ["filler"]
+
+
+def test_what_a_restore_reads_to_check_follows_the_change(store, xfs, monkeypatch):
+    import blockdiff.store as store_module
+
+    image, snaps, digests = line(store, xfs, 3, blocks=8)
+    # A fork of layers vouched for at their commit reads nothing to check them.
+    assert store.restore(snaps[2].id, xfs / "fork.img").checked_bytes == 0
+    # Past the vouching window a fork reads every layer it uses, once.
+    monkeypatch.setattr(store_module, "VOUCH_SECONDS", -1)
+    whole = store.restore(snaps[2].id, xfs / "fork2.img").checked_bytes
+    used = {int(layer) for layer in store.load_map(snaps[2]).pieces.layer}
+    assert whole == sum(int(store._layer(layer).length.sum()) for layer in used) > 0
+    # In place, the chunks holding what is rewritten: the bytes rewritten and
+    # at most two partial chunks more for each range (8 blocks a step).
+    result = store.restore(snaps[0].id, image)
+    assert 0 < result.checked_bytes <= result.bytes + 2 * result.ranges * store_module.CHUNK
+    assert result.checked_bytes < whole
+    assert digest(image) == digests[0]
