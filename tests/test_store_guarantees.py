@@ -502,3 +502,18 @@ def test_what_a_restore_reads_to_check_follows_the_change(store, xfs, monkeypatc
     assert 0 < result.checked_bytes <= result.bytes + 2 * result.ranges * store_module.CHUNK
     assert result.checked_bytes < whole
     assert digest(image) == digests[0]
+
+
+def test_layers_without_records_get_them_on_open(store, xfs):
+    """As in a store made before layer records: they are made on first open."""
+    image, snaps, digests = line(store, xfs, 3)
+    root = store.root
+    store.close()
+    db = sqlite3.connect(root / "catalog.sqlite")
+    db.execute("DELETE FROM layers")
+    db.commit()
+    db.close()
+    with Store(root) as reopened:
+        assert reopened.catalog.unrecorded_layers() == set()
+        assert reopened.verify() == {}
+        restores_exactly(reopened, xfs, snaps, digests)
