@@ -36,11 +36,11 @@ sys.path.insert(0, HERE)
 try:
     from store_bench import stats
 
-    from blockdiff import scratch
-    from blockdiff.agent import Agent, Tool
-    from blockdiff.disks import ImageDisk
-    from blockdiff.sealing import new_key
-    from blockdiff.store import Store
+    from blockdiff.agent.agent import Agent, Tool
+    from blockdiff.agent.disks import ImageDisk
+    from blockdiff.agent.sealing import new_key
+    from blockdiff.demo import scratch
+    from blockdiff.store.store import Store
 except ImportError as e:
     sys.exit(f"bench/agent_bench.py: {e}")
 
@@ -118,8 +118,8 @@ def run(args) -> dict:
 
 
 def run_vm(store: Store, work: Path, steps: int) -> dict:
-    from blockdiff.sandbox import Sandbox
-    from blockdiff.vmimage import build_image
+    from blockdiff.vm.image import build_image
+    from blockdiff.vm.sandbox import Sandbox
 
     image = build_image(work / "vm-image")
     box = Sandbox.create(store, "agent-bench", image=image.rootfs)

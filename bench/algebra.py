@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from blockdiff.extents import (
+from blockdiff.engine.extents import (
     ExtentMap,
     PieceTable,
     changed_ranges,

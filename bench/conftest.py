@@ -42,7 +42,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def scratch_xfs_possible():
     """Skip, with the reason, where no scratch XFS can be made here."""
-    from blockdiff import scratch
+    from blockdiff.demo import scratch
 
     reason = scratch.filesystem_unavailable_reason("xfs")
     if reason:

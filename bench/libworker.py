@@ -4,7 +4,7 @@
     python bench/libworker.py apply  IN  TARGET BASE
     python bench/libworker.py import
 
-Imports blockdiff.engine, then times one create_diff / apply_diff call with
+Imports blockdiff.engine.diff, then times one create_diff / apply_diff call with
 time.perf_counter and prints one JSON line: seconds, peak RSS of this process
 (ru_maxrss) before and after the call, and the result's ranges / data_bytes.
 Running each call in its own process keeps the peak RSS figure per call.
@@ -22,7 +22,7 @@ def _maxrss_kb() -> int:
 
 def main(argv: list[str]) -> int:
     t0 = time.perf_counter()
-    from blockdiff.engine import apply_diff, create_diff
+    from blockdiff.engine.diff import apply_diff, create_diff
 
     import_s = time.perf_counter() - t0
     rss0 = _maxrss_kb()

@@ -32,7 +32,7 @@ try:
     import workloads  # first: says how to install blockdiff if it is missing
 
     import blockdiff
-    from blockdiff import scratch
+    from blockdiff.demo import scratch
 except ImportError as e:
     sys.exit(f"bench/run.py: {e}")
 
@@ -201,8 +201,8 @@ def make_ops(wl: workloads.Workload, floor: str, formats: list[str], cli: list[s
         outputs=(p("floor.restored"),), restored=p("floor.restored"), needs="floor_create"))
 
     ops.append(Op(
-        "python_import", "python start-up + import blockdiff.engine", "other",
-        lambda: proc_sample([sys.executable, "-c", "import blockdiff.engine"])))
+        "python_import", "python start-up + import blockdiff.engine.diff", "other",
+        lambda: proc_sample([sys.executable, "-c", "import blockdiff.engine.diff"])))
     for fmt in formats:
         diff, rest = p(f"lib-{fmt}.diff"), p(f"lib-{fmt}.restored")
         ops.append(Op(

@@ -49,9 +49,9 @@ try:
     import run as suite  # first: says how to install blockdiff if it is missing
     import workloads
 
-    from blockdiff import scratch
-    from blockdiff.extents import ExtentMap
-    from blockdiff.store import Store
+    from blockdiff.demo import scratch
+    from blockdiff.engine.extents import ExtentMap
+    from blockdiff.store.store import Store
 except ImportError as e:
     sys.exit(f"bench/store_bench.py: {e}")
 

@@ -4,7 +4,7 @@
 
 create_diff / apply_diff run on a 256 MiB image with 1 % of its blocks
 rewritten, on a scratch XFS loop mount (needs root and xfsprogs; skipped with
-the reason from blockdiff.scratch otherwise); the extent algebra runs on a
+the reason from blockdiff.demo.scratch otherwise); the extent algebra runs on a
 synthetic pair of 500,000-extent maps (no root needed).
 """
 
@@ -19,8 +19,10 @@ import numpy as np
 import pytest
 import workloads
 
-from blockdiff import engine, native, scratch
-from blockdiff.extents import DATA, ZERO, ExtentMap, changed_ranges
+from blockdiff import native
+from blockdiff.demo import scratch
+from blockdiff.engine import diff as engine
+from blockdiff.engine.extents import DATA, ZERO, ExtentMap, changed_ranges
 
 pytestmark = pytest.mark.bench
 

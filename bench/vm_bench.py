@@ -47,10 +47,10 @@ sys.path.insert(0, HERE)
 try:
     from store_bench import human, stats
 
-    from blockdiff import scratch
-    from blockdiff.sandbox import Sandbox
-    from blockdiff.store import Store
-    from blockdiff.vmimage import build_image
+    from blockdiff.demo import scratch
+    from blockdiff.store.store import Store
+    from blockdiff.vm.image import build_image
+    from blockdiff.vm.sandbox import Sandbox
 except ImportError as e:
     sys.exit(f"bench/vm_bench.py: {e}")
 

@@ -15,8 +15,8 @@ Every 4 KiB block written carries its block number and a generation tag in its
 first 16 bytes, followed by bytes from a 1 MiB random pool, so blocks are
 distinct and a range restored at the wrong offset is caught by ``cmp``.
 
-The scratch filesystem comes from ``blockdiff.scratch`` and extent counts from
-blockdiff's FIEMAP (``blockdiff.extents.ExtentMap``): the package must import.
+The scratch filesystem comes from ``blockdiff.demo.scratch`` and extent counts from
+blockdiff's FIEMAP (``blockdiff.engine.extents.ExtentMap``): the package must import.
 
 Run as a script to build the workloads once and print their shape::
 
@@ -40,8 +40,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 try:
-    from blockdiff import native, scratch
-    from blockdiff.extents import ExtentMap
+    from blockdiff import native
+    from blockdiff.demo import scratch
+    from blockdiff.engine.extents import ExtentMap
 except ImportError as e:
     _msg = (f"the benchmarks need the blockdiff package, which cannot be imported ({e}); "
             f"install it with `bash .ci/setup` from the repository root")
@@ -105,7 +106,7 @@ def scratch_xfs(size: int, tmp_dir: str | None = None) -> Iterator[str]:
     data is cached once, as on a real disk. On exit the filesystem is thawed
     (in case a run was interrupted while it was frozen), unmounted, the loop
     device detached and the files removed; failures raise
-    ``blockdiff.scratch.FilesystemError``.
+    ``blockdiff.demo.scratch.FilesystemError``.
     """
     tmp_dir = tmp_dir or DEFAULT_TMP_DIR
     _thaw_stale(tmp_dir)

@@ -52,7 +52,7 @@ import time
 import urllib.error
 import urllib.request
 
-from blockdiff.agent import (
+from blockdiff.agent.agent import (
     NOT_APPLIED,
     TRACE_POINTS,
     Agent,
@@ -66,9 +66,9 @@ from blockdiff.agent import (
     ToolFailed,
     UnknownThread,
 )
-from blockdiff.disks import ImageDisk
+from blockdiff.agent.disks import ImageDisk
 from blockdiff.errors import BlockdiffError
-from blockdiff.store import open_store
+from blockdiff.store.store import open_store
 
 # This example's own points, passed inside an order's step:
 EXAMPLE_POINTS = (

@@ -1,6 +1,6 @@
 """Real filesystems for tests, plus read-only inspection helpers.
 
-Making and tearing down filesystems lives in `blockdiff.scratch` (the demo and
+Making and tearing down filesystems lives in `blockdiff.demo.scratch` (the demo and
 the benchmarks use it too). The helpers here (FIEMAP, SEEK_DATA/SEEK_HOLE,
 mount table lookups) are written independently of the package under test so
 that tests can check on-disk layout with their own eyes.
@@ -15,7 +15,7 @@ import re
 import struct
 from typing import NamedTuple
 
-from blockdiff.scratch import (  # noqa: F401
+from blockdiff.demo.scratch import (  # noqa: F401
     KINDS,
     MKFS,
     MOUNT_PREFIX,

@@ -10,8 +10,8 @@ many sweeps it made.
 
 SWEEPER = r"""
 import os, random, sys, time
-from blockdiff.retention import Policy
-from blockdiff.store import Store
+from blockdiff.store.retention import Policy
+from blockdiff.store.store import Store
 
 stop, limit, parent = sys.argv[1], time.monotonic() + float(sys.argv[2]), os.getppid()
 stores = [Store(path) for path in sys.argv[3:]]

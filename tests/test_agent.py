@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from blockdiff import agent as agent_module
-from blockdiff.agent import (
+from blockdiff.agent import agent as agent_module
+from blockdiff.agent.agent import (
     NOT_APPLIED,
     Agent,
     AgentDB,
@@ -28,9 +28,9 @@ from blockdiff.agent import (
     fork_thread,
     rewind_thread,
 )
-from blockdiff.disks import ImageDisk
-from blockdiff.sealing import SealingError, new_key
-from blockdiff.store import Store
+from blockdiff.agent.disks import ImageDisk
+from blockdiff.agent.sealing import SealingError, new_key
+from blockdiff.store.store import Store
 
 MiB = 1 << 20
 
@@ -238,7 +238,7 @@ def test_approvals_expire(setup):
 def _open_in_child(store, thread, *, hold=False):
     code = (
         "import sys, time\n"
-        "from blockdiff.agent import Agent, ThreadBusy\n"
+        "from blockdiff.agent.agent import Agent, ThreadBusy\n"
         f"try:\n    a = Agent({str(store.root)!r}, {thread!r})\n"
         "except ThreadBusy as e:\n    print(e); sys.exit(7)\n"
         + ("print('holding', flush=True)\ntime.sleep(60)\n" if hold else "a.close()\n"))
@@ -374,7 +374,7 @@ def test_sealed_state_needs_its_key(setup, monkeypatch):
     env = dict(os.environ, BLOCKDIFF_AGENT_KEY=new_key())
     done = subprocess.run([sys.executable, "-m", "blockdiff", "agent", "show", "--store",
                            str(store.root), head], capture_output=True, text=True, env=env)
-    assert done.returncode == 10 and done.stderr.count("\n") == 1
+    assert done.returncode == SealingError.exit_code == 11 and done.stderr.count("\n") == 1
     assert "key is wrong" in done.stderr
     env["BLOCKDIFF_AGENT_KEY"] = key
     shown = subprocess.run([sys.executable, "-m", "blockdiff", "agent", "show", "--store",

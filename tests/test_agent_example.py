@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from blockdiff.agent import TRACE_POINTS, Agent, AgentDB, rewind_thread
-from blockdiff.disks import ImageDisk
-from blockdiff.store import Store
+from blockdiff.agent.agent import TRACE_POINTS, Agent, AgentDB, rewind_thread
+from blockdiff.agent.disks import ImageDisk
+from blockdiff.store.store import Store
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -273,8 +273,8 @@ def test_end_to_end_with_approval(env):
 
     # Another process (the CLI's way) approves.
     approve = subprocess.run(
-        [sys.executable, "-c", "import sys; from blockdiff.store import Store; "
-         "from blockdiff.agent import AgentDB; "
+        [sys.executable, "-c", "import sys; from blockdiff.store.store import Store; "
+         "from blockdiff.agent.agent import AgentDB; "
          "print(AgentDB(Store(sys.argv[1])).decide(sys.argv[2], 'approved').decision)",
          str(env.store_dir), THREAD], cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert approve.stdout.strip() == "approved", approve.stderr
@@ -617,8 +617,8 @@ def test_interrupted_rewind_or_fail_then_a_plain_resume(env, interrupted):
 CHILD = """
 import os, signal, sys, dataclasses
 sys.path.insert(0, sys.argv[4])
-from blockdiff.agent import Agent
-from blockdiff.store import Store
+from blockdiff.agent.agent import Agent
+from blockdiff.store.store import Store
 from examples.agent_example import charge_tool
 store = Store(sys.argv[1])
 tool = dataclasses.replace(charge_tool(sys.argv[2]), idempotent=True)

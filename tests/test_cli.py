@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from blockdiff import engine
+from blockdiff.engine import diff as engine
 from scenarios import SCENARIOS, assert_same_bytes, make_base_image
 
 BLOCK = 4096
@@ -333,7 +333,7 @@ def test_durations_that_are_not_negative_are_taken(xfs):
                                     {"keep_last": 1.5}])
 def test_retention_policy_refuses_negative_and_endless_values(policy):
     from blockdiff.errors import UsageError
-    from blockdiff.retention import Policy
+    from blockdiff.store.retention import Policy
 
     with pytest.raises(UsageError):
         Policy(**policy)
@@ -344,7 +344,7 @@ def test_retention_policy_refuses_negative_and_endless_values(policy):
 
 _RECORD_LAUNCH = """
 import json, sys
-from blockdiff import qemu
+from blockdiff.vm import qemu
 from blockdiff.cli import main
 
 def start(launch):
@@ -360,8 +360,8 @@ main(sys.argv[1:])
 def test_vm_start_with_a_relative_store_gives_qemu_absolute_paths(xfs):
     """QEMU runs in the VM's directory and daemonizes: a relative --store must
     not reach its command line as a relative path (the kernel went missing)."""
-    from blockdiff.sandbox import Sandbox
-    from blockdiff.store import Store
+    from blockdiff.store.store import Store
+    from blockdiff.vm.sandbox import Sandbox
 
     kernel = xfs / "kernel"
     kernel.mkdir()

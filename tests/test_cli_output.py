@@ -92,8 +92,8 @@ def test_log_and_tree_escape_messages_and_meta(store):
 
 
 def test_agent_commands_escape_what_the_agent_stored(store):
-    from blockdiff.agent import Agent, Tool
-    from blockdiff.store import Store
+    from blockdiff.agent.agent import Agent, Tool
+    from blockdiff.store.store import Store
 
     root, _ = store
     thread = "run\x1b[2J\nfake"

@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from blockdiff import agent as agent_module
-from blockdiff.agent import Agent, AgentDB, AmbiguousCheckpoint, UnknownCheckpoint
-from blockdiff.catalog import Snapshot
-from blockdiff.store import AmbiguousId, Store, UnknownSnapshot
+from blockdiff.agent import agent as agent_module
+from blockdiff.agent.agent import Agent, AgentDB, AmbiguousCheckpoint, UnknownCheckpoint
+from blockdiff.store.catalog import Snapshot
+from blockdiff.store.store import AmbiguousId, Store, UnknownSnapshot
 from scenarios import make_base_image
 
 BLOCK = 4096

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import textwrap
 
-from blockdiff import demo
+from blockdiff.demo import session as demo
 
 
 def test_demo_in_a_directory(xfs, btrfs):
@@ -31,7 +31,8 @@ def test_demo_command_on_its_own_scratch_filesystem(xfs):
 # check file is replaced when step 2's snapshot is being checked.
 _LYING_DEMO = textwrap.dedent("""
     import sys
-    from blockdiff import cli, demo
+    from blockdiff import cli
+    from blockdiff.demo import session as demo
 
     real, calls = demo.sha256_file, []
 

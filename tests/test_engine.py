@@ -17,10 +17,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import scenarios
-from blockdiff import engine, native
-from blockdiff import format as fmt
+from blockdiff import native
+from blockdiff.engine import diff as engine
+from blockdiff.engine import files
+from blockdiff.engine import formats as fmt
+from blockdiff.engine.extents import DATA, ZERO
 from blockdiff.errors import UsageError, WrongBase
-from blockdiff.extents import DATA, ZERO
 from scenarios import SCENARIOS, assert_same_bytes, make_base_image
 
 BLOCK = 4096
@@ -342,7 +344,7 @@ def _upstream_style_apply(diff, target, base):
 def _upstream_style_create(diff, target, base):
     """CognitionAI's create: every target extent that is not at the same
     physical address as the base's, written with the bincode layout."""
-    from blockdiff.extents import ExtentMap
+    from blockdiff.engine.extents import ExtentMap
 
     def extents(path):
         fd = os.open(path, os.O_RDONLY)
@@ -484,10 +486,10 @@ def test_outputs_honour_the_umask(xfs, umask):
         engine.create_diff(xfs / "full.bdiff", target)
         engine.apply_diff(xfs / "d.bdiff", xfs / "from-base.img", base)
         engine.apply_diff(xfs / "full.bdiff", xfs / "no-base.img")
-        engine.copy_file(target, xfs / "copy.img")
-        with engine.atomic_output(str(xfs / "explicit")) as (fd, _):
+        files.copy_file(target, xfs / "copy.img")
+        with files.atomic_output(str(xfs / "explicit")) as (fd, _):
             os.write(fd, b"x")
-        with engine.atomic_output(str(xfs / "explicit-0640"), 0o640) as (fd, _):
+        with files.atomic_output(str(xfs / "explicit-0640"), 0o640) as (fd, _):
             os.write(fd, b"x")
     finally:
         os.umask(old)

@@ -14,7 +14,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from blockdiff import native
-from blockdiff.extents import (
+from blockdiff.engine.extents import (
     DATA,
     ZERO,
     ExtentMap,

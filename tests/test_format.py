@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blockdiff import format as fmt
 from blockdiff import native
+from blockdiff.engine import formats as fmt
+from blockdiff.engine.extents import DATA, ZERO, RangeSet
 from blockdiff.errors import ChecksumMismatch, InvalidDiff
-from blockdiff.extents import DATA, ZERO, RangeSet
 
 BLOCK = 4096
 

@@ -25,9 +25,10 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from blockdiff import engine, native
-from blockdiff import format as fmt
+from blockdiff import native
 from blockdiff.cli import main
+from blockdiff.engine import diff as engine
+from blockdiff.engine import formats as fmt
 from blockdiff.errors import BlockdiffError, InvalidDiff
 
 BLOCK = 4096
@@ -285,7 +286,7 @@ def build_corpus(directory: Path) -> dict[str, bytes]:
     ``huge-*`` are well formed but describe a target of 2^40 bytes with 100
     bytes of data; ``invalid-*`` must each be refused by the reader.
     """
-    from blockdiff import identity
+    from blockdiff.engine import identity
 
     base, _ = seed_images(directory)
     base_size = base.stat().st_size                       # 10 blocks

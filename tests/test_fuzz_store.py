@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from blockdiff.errors import BlockdiffError
-from blockdiff.store import (
+from blockdiff.store.store import (
     EXPORT_MAGIC,
     MAP_ERRORS,
     Store,
@@ -141,8 +141,8 @@ def test_mutated_exports_import_or_fail_cleanly(exported, data):
 @settings(max_examples=200, deadline=None)
 @given(data=st.data())
 def test_map_decoder_raises_only_damage(data):
-    from blockdiff.extents import ExtentMap, PieceTable
-    from blockdiff.store import SnapshotMap
+    from blockdiff.engine.extents import ExtentMap, PieceTable
+    from blockdiff.store.store import SnapshotMap
 
     n = data.draw(st.integers(0, 5))
     u = np.arange(n, dtype=np.uint64) * np.uint64(4096)

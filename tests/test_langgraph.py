@@ -1,4 +1,4 @@
-"""The LangGraph checkpointer (blockdiff.langgraph_saver) with real graphs on a
+"""The LangGraph checkpointer (blockdiff.agent.langgraph) with real graphs on a
 real XFS store: each step's disk snapshot holds the bytes the disk had at that
 step, interrupts resume in another saver, replays and forks take the disk back,
 pending writes persist, listing and deletion, async graphs, and several
@@ -29,9 +29,8 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import Command, interrupt
 
-from blockdiff.disks import ImageDisk
-from blockdiff.errors import BlockdiffError
-from blockdiff.langgraph_saver import (
+from blockdiff.agent.disks import ImageDisk
+from blockdiff.agent.langgraph import (
     DB_NAME,
     BlockdiffSaver,
     DiskWaitTimeout,
@@ -40,10 +39,11 @@ from blockdiff.langgraph_saver import (
     SaverError,
     SnapshotsNotRemoved,
     ThreadNotEmpty,
-    UnknownCheckpoint,
+    UnknownSaverCheckpoint,
     UnknownStrategy,
 )
-from blockdiff.store import Store, StoreError
+from blockdiff.errors import BlockdiffError
+from blockdiff.store.store import Store, StoreError
 
 BLOCK = 4096
 SIZE = 16 * BLOCK
@@ -608,8 +608,8 @@ PROCESS = textwrap.dedent("""
     import operator, os, sys
     from typing import Annotated, TypedDict
     from langgraph.graph import END, START, StateGraph
-    from blockdiff.disks import ImageDisk
-    from blockdiff.langgraph_saver import BlockdiffSaver
+    from blockdiff.agent.disks import ImageDisk
+    from blockdiff.agent.langgraph import BlockdiffSaver
 
     store, image, thread = sys.argv[1:4]
 
@@ -689,11 +689,11 @@ def test_restore_disk_errors_are_clear(rig):
     graph.invoke({"log": []}, cfg("t1"))
     before = rig.images["disk"].read_bytes()
 
-    with pytest.raises(UnknownCheckpoint, match="'1f0-not-a-checkpoint'.*'t1'"):
+    with pytest.raises(UnknownSaverCheckpoint, match="'1f0-not-a-checkpoint'.*'t1'"):
         saver.restore_disk(cfg("t1", checkpoint_id="1f0-not-a-checkpoint"))
-    with pytest.raises(UnknownCheckpoint, match="'t1'"):
+    with pytest.raises(UnknownSaverCheckpoint, match="'t1'"):
         saver.disk_snapshot(cfg("t1", checkpoint_id="1f0-not-a-checkpoint"))
-    with pytest.raises(UnknownCheckpoint, match="'nobody' has no checkpoint"):
+    with pytest.raises(UnknownSaverCheckpoint, match="'nobody' has no checkpoint"):
         saver.restore_disk(cfg("nobody"))
     assert saver.disk_snapshot(cfg("nobody")) is None
     with pytest.raises(SaverError, match="no disk"):
@@ -941,7 +941,7 @@ def test_prune_leaves_snapshots_that_others_took_or_name(rig):
     history = list(graph.get_state_history(cfg("g")))
     assert history[-1].metadata["disk_snapshot"] == base      # an unchanged disk reused it
     last = history[0].metadata["disk_snapshot"]
-    from blockdiff.agent import Agent
+    from blockdiff.agent.agent import Agent
 
     # An agent checkpoints the same, unchanged, disk: it names the graph's snapshot.
     with Agent(rig.store, "agent-1", disk=rig.disk()) as agent:

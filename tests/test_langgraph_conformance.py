@@ -20,9 +20,9 @@ from langgraph.checkpoint.conformance.capabilities import (
     DetectedCapabilities,
 )
 
-from blockdiff.disks import ImageDisk
-from blockdiff.langgraph_saver import BlockdiffSaver
-from blockdiff.store import Store
+from blockdiff.agent.disks import ImageDisk
+from blockdiff.agent.langgraph import BlockdiffSaver
+from blockdiff.store.store import Store
 
 BLOCK = 4096
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from blockdiff.agentlink import connect_unix
-from blockdiff.nbd import NBDClient, NBDError, dirty_ranges
+from blockdiff.vm.guestlink import connect_unix
+from blockdiff.vm.nbd import NBDClient, NBDError, dirty_ranges
 
 GRANULARITY = 4096
 BITMAP = "snap"

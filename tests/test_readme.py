@@ -383,7 +383,7 @@ def _vm_image():
     if missing:
         pytest.skip(f"the README's VM examples need {', '.join(missing)} (.ci/setup installs "
                     f"them)")
-    from blockdiff.vmimage import build_image
+    from blockdiff.vm.image import build_image
 
     return build_image(IMAGE_CACHE)
 
@@ -395,8 +395,8 @@ def _kill_vms(store_dir: Path, opened_by_examples: bool = False) -> None:
     the scratch filesystem."""
     import gc
 
-    from blockdiff.sandbox import Sandbox
-    from blockdiff.store import Store
+    from blockdiff.store.store import Store
+    from blockdiff.vm.sandbox import Sandbox
 
     if (store_dir / "vms").is_dir():
         with Store(store_dir) as store:
@@ -433,8 +433,8 @@ def test_sandbox_and_agent_python_examples(xfs, monkeypatch):
     payment client kept in memory. Its run stops for the approval; approved,
     a second run charges three orders, each once."""
     _vm_image()
-    from blockdiff.agent import AgentDB, ApprovalPending
-    from blockdiff.store import Store
+    from blockdiff.agent.agent import AgentDB, ApprovalPending
+    from blockdiff.store.store import Store
 
     store_dir = xfs / "srv" / "sandboxes" / "store"
     store_dir.parent.mkdir(parents=True)
@@ -505,18 +505,37 @@ def _exit_table() -> dict[int, tuple[str, str]]:
 
 
 def test_the_exit_table_is_what_the_code_returns():
+    """One table of errors, each exit status one meaning, and the README's
+    table lists exactly the statuses blockdiff exits with."""
     import importlib
+    import importlib.util
+    import pkgutil
 
+    import blockdiff
+    from blockdiff import errors
     from blockdiff.errors import BlockdiffError
 
-    for module in ("agent", "agentlink", "demo", "nbd", "qemu", "sealing", "store", "vmimage"):
-        importlib.import_module(f"blockdiff.{module}")
-    classes, codes = [BlockdiffError], set()
+    for info in pkgutil.walk_packages(blockdiff.__path__, "blockdiff."):
+        if info.name == "blockdiff.__main__":
+            continue
+        if info.name != "blockdiff.agent.langgraph" or importlib.util.find_spec("langgraph"):
+            importlib.import_module(info.name)
+    classes, everything = [BlockdiffError], []
     while classes:
         cls = classes.pop()
-        codes.add(cls.exit_code)
+        everything.append(cls)
         classes.extend(cls.__subclasses__())
-    cli = (ROOT / "blockdiff" / "cli.py").read_text()
+    outside = [c.__module__ + "." + c.__qualname__ for c in everything
+               if c.__module__ != errors.__name__ and not c.__module__.startswith("tests")]
+    assert not outside, f"error classes outside blockdiff.errors: {outside}"
+    # A status belongs to one family: one class sets it, the rest inherit it.
+    setters: dict[int, list[str]] = {}
+    for cls in everything:
+        if "exit_code" in vars(cls) and cls is not BlockdiffError:
+            setters.setdefault(cls.exit_code, []).append(cls.__name__)
+    assert all(len(names) == 1 for names in setters.values()), setters
+    codes = {0} | {cls.exit_code for cls in everything}
+    cli = "\n".join(p.read_text() for p in (ROOT / "blockdiff" / "cli").glob("*.py"))
     codes |= {int(c) for c in re.findall(r"_fail\([^\n]*?, (\d+)\)\n", cli)}
     codes |= {int(c) for c in re.findall(r"sys\.exit\((\d+)\)", cli)}
     rows = _exit_table()

@@ -16,9 +16,9 @@ import pytest
 
 import filesystems
 import scenarios
+from blockdiff.engine.extents import PieceTable, RangeSet, overlay, pieces_within
 from blockdiff.errors import Unsupported
-from blockdiff.extents import PieceTable, RangeSet, overlay, pieces_within
-from blockdiff.store import LINEAGE_XATTR, ImageBusy, Store, StoreError, UnknownSnapshot
+from blockdiff.store.store import LINEAGE_XATTR, ImageBusy, Store, StoreError, UnknownSnapshot
 from scenarios import SCENARIOS, make_base_image
 
 BLOCK = 4096
@@ -208,7 +208,7 @@ def test_store_needs_reflink(ext4):
 
 _COMMITTER = """
 import sys
-from blockdiff.store import Store
+from blockdiff.store.store import Store
 store = Store(sys.argv[1])
 for i in range(int(sys.argv[3])):
     with open(sys.argv[2], "r+b") as f:
@@ -314,7 +314,7 @@ def test_overlay_and_pieces_within_match_a_model(seed):
 
 
 def test_tree_rendering(store, xfs):
-    from blockdiff.view import render_tree
+    from blockdiff.engine.view import render_tree
 
     image = xfs / "disk.img"
     make_base_image(image, SIZE, 40)
@@ -364,7 +364,7 @@ def test_rm_keeps_descendants_restorable(store, xfs):
 def test_gc_policy_and_ttl(store, xfs):
     image, snaps, digests = _line(store, xfs, 5)
     expiring = store.commit(image, ttl=0.0, message="scratch")
-    from blockdiff.retention import Policy
+    from blockdiff.store.retention import Policy
 
     dry = store.gc(Policy(keep_last=2), dry_run=True)
     assert expiring.id in dry.removed and len(dry.removed) == 4
@@ -383,7 +383,7 @@ def test_gc_sweeps_leftovers_of_interrupted_operations(store, xfs):
     image, snaps, _ = _line(store, xfs, 2)
     (store.objects / "00000000000000aa.layer").write_bytes(b"x" * 8192)
     (store.staging / "00000000000000bb.999999999.layer").write_bytes(b"y" * 8192)
-    from blockdiff.retention import Policy
+    from blockdiff.store.retention import Policy
 
     assert store.gc(Policy()).bytes_freed >= 16384
     assert not (store.objects / "00000000000000aa.layer").exists()
@@ -455,7 +455,7 @@ def test_diff_between_any_two_snapshots(store, xfs):
 def test_retention_policy_is_a_pure_function(case):
     from types import SimpleNamespace
 
-    from blockdiff.retention import Policy, apply_policy
+    from blockdiff.store.retention import Policy, apply_policy
 
     _, rows, policy, expected = case
     snaps = [SimpleNamespace(id=str(i), created=c, expires=e) for i, (c, e) in enumerate(rows)]
@@ -517,7 +517,7 @@ def test_import_needs_the_ancestor_and_a_sound_file(store, xfs):
 
 
 def test_export_is_a_plain_v2_diff(store, xfs):
-    from blockdiff import engine
+    from blockdiff.engine import diff as engine
 
     image, snaps, digests = _line(store, xfs, 2)
     store.export(snaps[1].id, xfs / "full.bdx")
@@ -621,7 +621,7 @@ def test_damaged_catalog_is_one_line(xfs):
 
 
 def test_catalog_migrations_apply_once(store, xfs):
-    from blockdiff.catalog import MIGRATIONS, Catalog
+    from blockdiff.store.catalog import MIGRATIONS, Catalog
 
     assert store.catalog.schema_version == len(MIGRATIONS)
     again = Catalog(str(store.root / "catalog.sqlite"))     # reopening migrates nothing
@@ -632,7 +632,7 @@ def test_catalog_migrations_apply_once(store, xfs):
 
 
 def test_maps_are_deltas_with_a_whole_one_every_few_commits(store, xfs):
-    from blockdiff.store import MAP_CHAIN
+    from blockdiff.store.store import MAP_CHAIN
 
     image, snaps, digests = _line(store, xfs, 2 * MAP_CHAIN + 3, blocks=20)
     snaps = [store.get(s.id) for s in snaps]

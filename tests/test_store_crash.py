@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from blockdiff.store import Store
+from blockdiff.store.store import Store
 from scenarios import make_base_image
 
 SIZE = 8 * 1024 * 1024
@@ -22,8 +22,8 @@ SIZE = 8 * 1024 * 1024
 # the SHA-256 of what it committed, so the test knows what every id must hold.
 _WORKER = r"""
 import hashlib, os, random, sys
-from blockdiff.retention import Policy
-from blockdiff.store import Store
+from blockdiff.store.retention import Policy
+from blockdiff.store.store import Store
 
 store = Store(sys.argv[1])
 image, op = sys.argv[2], sys.argv[3]

@@ -21,8 +21,8 @@ import pytest
 import filesystems
 import scenarios
 from blockdiff.errors import InvalidDiff, UsageError
-from blockdiff.retention import Policy
-from blockdiff.store import EXPORT_MAGIC, Damaged, Store, StoreError
+from blockdiff.store.retention import Policy
+from blockdiff.store.store import EXPORT_MAGIC, Damaged, Store, StoreError
 from scenarios import make_base_image
 
 SIZE = 4 * 1024 * 1024 + 777
@@ -187,7 +187,7 @@ def test_import_of_an_id_that_names_a_layer_is_refused(store, xfs):
     other = Store.init(xfs / "other")
     source = xfs / "source.img"
     make_base_image(source, SIZE, 9)
-    from blockdiff.catalog import Snapshot
+    from blockdiff.store.catalog import Snapshot
     other.commit(source, _imported=Snapshot(0, layer_id, None, 1.0, "", {}))
     other.export(layer_id, xfs / "clash.bdx")
     other.close()
@@ -486,7 +486,7 @@ def test_errors_name_the_output_not_its_temporary_file(store, xfs, fresh_filesys
 
 
 def test_what_a_restore_reads_to_check_follows_the_change(store, xfs, monkeypatch):
-    import blockdiff.store as store_module
+    import blockdiff.store.store as store_module
 
     image, snaps, digests = line(store, xfs, 3, blocks=8)
     # A fork of layers vouched for at their commit reads nothing to check them.

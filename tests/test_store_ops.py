@@ -41,8 +41,8 @@ from hypothesis.stateful import (
 )
 
 import blockdiff
-from blockdiff.retention import Policy
-from blockdiff.store import Store
+from blockdiff.store.retention import Policy
+from blockdiff.store.store import Store
 from scenarios import punch_hole, random_bytes
 from sweeper import SWEEPER
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 import blockdiff
-from blockdiff.store import Store
+from blockdiff.store.store import Store
 from scenarios import make_base_image
 from sweeper import SWEEPER
 

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockdiff import native
-from blockdiff.extents import ExtentMap, changed_ranges, normalize_ranges, partition, remap
-from blockdiff.store import Store
+from blockdiff.engine.extents import ExtentMap, changed_ranges, normalize_ranges, partition, remap
+from blockdiff.store.store import Store
 
 BLOCK = 4096
 SIZE = 2 * 1024 * 1024 + 1234      # not a multiple of the block size

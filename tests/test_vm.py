@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from blockdiff import qemu
-from blockdiff.agentlink import GuestTimeout
-from blockdiff.sandbox import Sandbox, UnknownVM
-from blockdiff.store import Store, UnknownSnapshot
-from blockdiff.vmimage import build_image
+from blockdiff.store.store import Store, UnknownSnapshot
+from blockdiff.vm import qemu
+from blockdiff.vm.guestlink import GuestTimeout
+from blockdiff.vm.image import build_image
+from blockdiff.vm.sandbox import Sandbox, UnknownVM
 from scenarios import assert_same_bytes
 
 IMAGE_CACHE = Path(os.environ.get("BLOCKDIFF_TEST_VM_IMAGE",
@@ -444,7 +444,7 @@ def test_build_image_bad_input(xfs):
 def test_agent_checkpoints_tie_state_to_the_vm_disk(store, box):
     """An agent thread whose sandbox is the VM: rewinding it puts the guest's
     files back (without a reboot), forking it makes a second VM."""
-    from blockdiff.agent import Agent, AgentDB, fork_thread
+    from blockdiff.agent.agent import Agent, AgentDB, fork_thread
 
     with Agent(store, "run", disk=box) as agent:
         for k in range(3):
@@ -549,7 +549,7 @@ def test_dirty_tracking_snapshots_and_restores_exactly(store, box, xfs, monkeypa
 def test_a_checkpoint_dying_after_the_bitmap_swap_is_not_trusted(store, box, monkeypatch):
     """Writes after such a death are only in the new bitmap, which no record
     names: the next checkpoint must map the whole disk, not read the old one."""
-    from blockdiff import sandbox as sandbox_module
+    from blockdiff.vm import sandbox as sandbox_module
 
     box.exec("echo a > /a")
     box.checkpoint("one")

@@ -44,19 +44,11 @@ from pathlib import Path
 
 import numpy as np
 
-from blockdiff import engine, native
-from blockdiff import format as fmt
-from blockdiff.catalog import (
-    Catalog,
-    CatalogDamaged,
-    CatalogTooNew,
-    LayerRecord,
-    Snapshot,
-    candidates,
-    id_prefix,
-)
-from blockdiff.errors import BlockdiffError, InvalidDiff, Unsupported, UsageError
-from blockdiff.extents import (
+from blockdiff import native
+from blockdiff.engine import diff as engine
+from blockdiff.engine import files
+from blockdiff.engine import formats as fmt
+from blockdiff.engine.extents import (
     DATA,
     ZERO,
     ExtentMap,
@@ -74,7 +66,26 @@ from blockdiff.extents import (
     subtract,
     union,
 )
-from blockdiff.retention import apply_policy, check_duration
+from blockdiff.errors import (
+    AmbiguousId,
+    Damaged,
+    ImageBusy,
+    InvalidDiff,
+    StoreError,
+    UnknownSnapshot,
+    Unsupported,
+    UsageError,
+)
+from blockdiff.store.catalog import (
+    Catalog,
+    CatalogDamaged,
+    CatalogTooNew,
+    LayerRecord,
+    Snapshot,
+    candidates,
+    id_prefix,
+)
+from blockdiff.store.retention import apply_policy, check_duration
 
 BLOCK = 4096
 LINEAGE_XATTR = "user.blockdiff.lineage"
@@ -105,30 +116,6 @@ EXPORT_RECORD_MAX = 1 << 20
 MESSAGE_MAX = 64 * 1024
 # Timestamps an export may carry: the epoch to the end of year 9999.
 TIME_MAX = 253402300799.0
-
-
-class StoreError(BlockdiffError):
-    """A store operation that cannot be done as asked."""
-
-    exit_code = 6
-
-
-class UnknownSnapshot(StoreError):
-    """No snapshot with that id in this store."""
-
-
-class AmbiguousId(StoreError):
-    """An id prefix that more than one snapshot's id begins with."""
-
-
-class ImageBusy(StoreError):
-    """Another process is committing or restoring this image."""
-
-
-class Damaged(StoreError):
-    """Stored data or the catalog fails its checks; nothing was handed back."""
-
-    exit_code = 7
 
 
 @dataclass
@@ -1051,7 +1038,7 @@ class Store:
                 snap = self.get(snapshot_id)
                 smap = self.load_map(snap)
                 checked = self._check_pieces(snap, smap.pieces, whole=True)
-                with engine.atomic_output(image) as (fd, temp):
+                with files.atomic_output(image) as (fd, temp):
                     native.truncate(fd, snap.size, temp)
                     self._fill(fd, temp, smap.pieces)
                     self._set_lineage(fd, snap.id, "clean")
@@ -1115,7 +1102,7 @@ class Store:
                 else:
                     base, base_path = on
                     with open(base_path, "rb") as src:
-                        engine.clone_or_copy(src.fileno(), fd, base.size, str(path))
+                        files.clone_or_copy(src.fileno(), fd, base.size, str(path))
                     native.truncate(fd, snap.size, path)
                     differ = self.differences(base, snap)
                     pieces, (hole_start, hole_end) = pieces_within(
@@ -1152,7 +1139,7 @@ class Store:
             trailer += struct.pack("<Q", len(trailer)) + EXPORT_MAGIC
             # The diff and then the record go to a temporary name beside OUT,
             # renamed only once both are on it: a whole export or nothing.
-            temp = engine.temp_beside(out)
+            temp = files.temp_beside(out)
             try:
                 with self._materialized(base) as base_path, self._materialized(
                         snap, on=None if base is None else (base, base_path)) as target:
@@ -1167,7 +1154,7 @@ class Store:
             except OSError as e:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(temp)
-                raise engine.naming_final(e, temp, out) from None
+                raise files.naming_final(e, temp, out) from None
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(temp)
@@ -1426,7 +1413,7 @@ class Store:
                 path = self.map_path(snap)
                 try:
                     smap = self.load_map(snap, cached=False)
-                except (OSError, StoreError, ValueError) as e:
+                except (OSError, StoreError, Damaged, ValueError) as e:
                     problems[snap.id] = [f"map: {getattr(e, 'strerror', None) or e}"]
                     continue
                 if os.stat(path).st_mode & 0o222:

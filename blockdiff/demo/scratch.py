@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from blockdiff.errors import FilesystemError
 from blockdiff.native import process_alive  # noqa: F401  (also used by the benchmarks)
 
 KINDS = ("xfs", "btrfs", "ext4", "tmpfs")
@@ -49,10 +50,6 @@ SKIP_ENV = "BLOCKDIFF_TEST_SKIP_FS"
 # Every mount lives in "<tmp_dir>/<MOUNT_PREFIX><pid>-<kind>-XXXX/mnt" so that
 # mounts left behind by a killed process can be recognised and swept later.
 MOUNT_PREFIX = "blockdiff-fs-"
-
-
-class FilesystemError(RuntimeError):
-    """A mkfs/mount/umount/losetup step failed."""
 
 
 def default_tmp_dir() -> Path:

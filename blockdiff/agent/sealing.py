@@ -26,7 +26,7 @@ import json
 import os
 from collections.abc import Callable, Iterable
 
-from blockdiff.errors import BlockdiffError
+from blockdiff.errors import SealingError
 
 KEY_ENV = "BLOCKDIFF_AGENT_KEY"
 KEY_FILE_ENV = "BLOCKDIFF_AGENT_KEY_FILE"
@@ -36,12 +36,6 @@ PLAIN, SEALED = b"J", b"E1"
 # state before redaction, as blockdiff wrote before) is rehashed when read.
 KEYED_HASH, PLAIN_HASH = "hmac-sha256:", "sha256:"
 _HASH_KEY_LABEL = b"blockdiff agent checkpoint content hash v1"
-
-
-class SealingError(BlockdiffError):
-    """A key is missing, malformed or wrong."""
-
-    exit_code = 10
 
 
 def create_private(path: str | os.PathLike, mode: int = 0o600) -> None:

@@ -34,11 +34,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockdiff.agentlink import THAW, AgentLink, ExecResult, GuestError, GuestTimeout
-from blockdiff.engine import copy_file
-from blockdiff.errors import BlockdiffError, UsageError
-from blockdiff.identity import sha256_file
-from blockdiff.qemu import (
+from blockdiff.engine.files import copy_file
+from blockdiff.engine.identity import sha256_file
+from blockdiff.errors import BlockdiffError, UnknownVM, UsageError
+from blockdiff.store.store import Store, open_store
+from blockdiff.vm.guestlink import THAW, AgentLink, ExecResult, GuestError, GuestTimeout
+from blockdiff.vm.qemu import (
     NBD_SOCKET,
     QMP,
     Launch,
@@ -49,16 +50,11 @@ from blockdiff.qemu import (
     replace_dirty_bitmap,
     start_dirty_tracking,
 )
-from blockdiff.store import Store, open_store
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 KERNEL_FILES = ("vmlinuz", "initrd.img")
 DEFAULT_BOOT_TIMEOUT = 120.0
 TRACKING = "dirty-tracking.json"
-
-
-class UnknownVM(VMError):
-    pass
 
 
 @dataclass(frozen=True)

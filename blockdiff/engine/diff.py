@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from blockdiff import format as fmt
-from blockdiff import identity, native
-from blockdiff.errors import ChecksumMismatch, UsageError, WrongBase
-from blockdiff.extents import (
+from blockdiff import native
+from blockdiff.engine import formats as fmt
+from blockdiff.engine import identity
+from blockdiff.engine.extents import (
     DATA,
     ZERO,
     ExtentMap,
@@ -31,13 +31,13 @@ from blockdiff.extents import (
     ranges_from_block_classes,
     union,
 )
+from blockdiff.engine.files import atomic_output, clone_or_copy, open_fd
+from blockdiff.errors import ChecksumMismatch, UsageError, WrongBase
 
 BLOCK = 4096
 FORMATS = ("v1", "v2")
 # Filesystems whose FIEMAP physical addresses identify shared (reflinked) data.
 _SHARING_FILESYSTEMS = {native.XFS_MAGIC: "xfs", native.BTRFS_MAGIC: "btrfs"}
-# Errors that mean "these two files cannot share extents": copy instead.
-_NO_REFLINK = {errno.EXDEV, errno.EOPNOTSUPP, errno.ENOTTY, errno.EINVAL, errno.ENOSYS}
 
 
 @dataclass
@@ -86,91 +86,6 @@ def _refuse_same_file(output: str, what: str, inputs: dict[str, str | None]) -> 
         if same:
             raise UsageError(f"{what} {output} is the same file as {name}; "
                              f"choose another {what}")
-
-
-@contextlib.contextmanager
-def _open(path: str, flags: int = os.O_RDONLY):
-    fd = os.open(path, flags | os.O_CLOEXEC)
-    try:
-        yield fd
-    finally:
-        os.close(fd)
-
-
-def clone_or_copy(src_fd: int, dst_fd: int, size: int, path: str) -> bool:
-    """Make ``dst_fd`` a whole-file reflink of ``src_fd``, or where reflink
-    cannot be had (another filesystem, none at all) a copy keeping holes.
-    True when it is a reflink."""
-    try:
-        native.clone_file(dst_fd, src_fd, path)
-        return True
-    except OSError as e:
-        if e.errno not in _NO_REFLINK:
-            raise
-    native.copy_sparse(src_fd, dst_fd, size, path)
-    return False
-
-
-def copy_file(src: str | os.PathLike, dst: str | os.PathLike) -> bool:
-    """``src`` to ``dst`` by :func:`clone_or_copy`, replacing ``dst`` atomically."""
-    with _open(src) as src_fd, atomic_output(os.fspath(dst)) as (out_fd, temp):
-        return clone_or_copy(src_fd, out_fd, os.fstat(src_fd).st_size, temp)
-
-
-def temp_beside(final_path: str) -> str:
-    """A new temporary name in the directory of ``final_path``."""
-    # A random name opened O_EXCL, like tempfile.mkstemp, without its import cost.
-    return os.path.join(os.path.dirname(os.path.abspath(final_path)),
-                        f".{os.path.basename(final_path)}.{os.urandom(6).hex()}.partial")
-
-
-def naming_final(error: OSError, temp: str, final_path: str) -> OSError:
-    """``error`` as it should reach the user: naming the file asked for, not
-    the temporary one it was being written as."""
-    if error.filename is not None and os.fspath(error.filename) == temp:
-        return OSError(error.errno, error.strerror, final_path)
-    return error
-
-
-@contextlib.contextmanager
-def atomic_output(final_path: str, mode: int = 0o666):
-    """A temporary file beside ``final_path`` that replaces it only on success.
-
-    Yields ``(fd, temp_path)``. On success the file is fsynced, renamed over
-    the final name and the directory fsynced; on failure it is removed, so a
-    half-written result never appears under the final name.
-
-    The file gets ``mode`` less the process's umask, as ``open()`` would give
-    a new file (the kernel applies the umask when it creates the file, so
-    nothing reads or changes the process-wide umask). A ``final_path`` that
-    is a symbolic link is replaced by the new file; what it pointed to is
-    left untouched.
-    """
-    directory = os.path.dirname(os.path.abspath(final_path))
-    temp = temp_beside(final_path)
-    try:
-        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode & 0o7777)
-    except OSError as e:
-        raise naming_final(e, temp, final_path) from None
-    try:
-        yield fd, temp
-        native.fsync(fd, temp)
-        os.rename(temp, final_path)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise naming_final(e, temp, final_path) from None
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
-    finally:
-        os.close(fd)
-    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 # ------------------------------------------------------------------ create
@@ -245,8 +160,8 @@ def create_diff(out: str | os.PathLike, target: str | os.PathLike,
     _refuse_same_file(target, "TARGET", {"BASE": base})   # a diff of nothing, by mistake
     version = 1 if format == "v1" else 2
     with contextlib.ExitStack() as stack:
-        target_fd = stack.enter_context(_open(target))
-        base_fd = None if base is None else stack.enter_context(_open(base))
+        target_fd = stack.enter_context(open_fd(target))
+        base_fd = None if base is None else stack.enter_context(open_fd(base))
         ranges, method, notes = diff_ranges(target_fd, target, base_fd, base)
         target_size = os.fstat(target_fd).st_size
         base_size = target_size if base_fd is None else os.fstat(base_fd).st_size
@@ -386,7 +301,7 @@ def verify_data(diff_fd: int, header: fmt.DiffHeader, diff: str) -> None:
 def read_diff(path: str | os.PathLike) -> fmt.DiffHeader:
     """Read and validate a diff's header and range table."""
     path = os.fspath(path)
-    with _open(path) as fd:
+    with open_fd(path) as fd:
         return fmt.read_header(fd, path)
 
 
@@ -404,7 +319,7 @@ def _check_capacity(header: fmt.DiffHeader, diff: str, target: str) -> None:
     st = os.statvfs(directory)
     capacity = st.f_blocks * st.f_frsize
     if capacity and header.target_size > capacity:   # 0: the filesystem does not say
-        from blockdiff.view import human_size
+        from blockdiff.engine.view import human_size
         raise OSError(errno.ENOSPC,
                       f"No space left on device: {diff} describes a target of "
                       f"{header.target_size} bytes ({human_size(header.target_size)}), larger "
@@ -445,9 +360,9 @@ def apply_diff(diff: str | os.PathLike, target: str | os.PathLike,
     _refuse_same_file(target, "TARGET", {"BASE": base, "the diff": diff})
     notes: list[str] = []
     with contextlib.ExitStack() as stack:
-        diff_fd = stack.enter_context(_open(diff))
+        diff_fd = stack.enter_context(open_fd(diff))
         header = fmt.read_header(diff_fd, diff)
-        base_fd = None if base is None else stack.enter_context(_open(base))
+        base_fd = None if base is None else stack.enter_context(open_fd(base))
         _check_base(header, diff, base_fd, base, verify_base)
         _check_capacity(header, diff, target)
         verify_data(diff_fd, header, diff)
@@ -492,5 +407,5 @@ def apply_diff(diff: str | os.PathLike, target: str | os.PathLike,
 def map_file(path: str | os.PathLike, *, sync: bool = False) -> ExtentMap:
     """The extent map of a file (for ``view``)."""
     path = os.fspath(path)
-    with _open(path) as fd:
+    with open_fd(path) as fd:
         return ExtentMap.of_file(fd, path, sync=sync)

@@ -3,15 +3,15 @@ and ties each one to the snapshot of the sandbox disk at that step.
 
 Install with ``pip install blockdiff[langgraph]``. Checkpoints go to their own
 SQLite database in the store directory (``langgraph.sqlite``), so any number of
-processes can share a store. With a ``disk`` (an :class:`~blockdiff.disks.ImageDisk`,
-a :class:`~blockdiff.sandbox.Sandbox`, or anything with ``checkpoint`` and
+processes can share a store. With a ``disk`` (an :class:`~blockdiff.agent.disks.ImageDisk`,
+a :class:`~blockdiff.vm.sandbox.Sandbox`, or anything with ``checkpoint`` and
 ``restore``), every checkpoint of the top-level graph first snapshots the disk
 (an unchanged disk reuses its last snapshot) and records the snapshot id, also
 in the checkpoint's metadata as ``"disk_snapshot"``. Going back to an earlier
 checkpoint then takes the disk back with it::
 
-    from blockdiff.disks import ImageDisk
-    from blockdiff.langgraph_saver import BlockdiffSaver
+    from blockdiff.agent.disks import ImageDisk
+    from blockdiff.agent.langgraph import BlockdiffSaver
 
     disk = ImageDisk("/xfs/store", "/xfs/sandbox.img")
     saver = BlockdiffSaver("/xfs/store", disk)
@@ -83,12 +83,21 @@ from langgraph.checkpoint.base import (
     get_checkpoint_metadata,
 )
 
-from blockdiff.errors import BlockdiffError
-from blockdiff.sealing import create_private
-from blockdiff.store import Store, UnknownSnapshot
+from blockdiff.agent.sealing import create_private
+from blockdiff.errors import (
+    DiskWaitTimeout,
+    MissingConfigKey,
+    NoDiskSnapshot,
+    SaverError,
+    SnapshotsNotRemoved,
+    ThreadNotEmpty,
+    UnknownSaverCheckpoint,
+    UnknownStrategy,
+)
+from blockdiff.store.store import Store, UnknownSnapshot
 
 DB_NAME = "langgraph.sqlite"
-# The agent layer's checkpoints (blockdiff.agent.DB_NAME), whose disk snapshots
+# The agent layer's checkpoints (blockdiff.agent.agent.DB_NAME), whose disk snapshots
 # a prune leaves alone.
 AGENT_DB_NAME = "agent.sqlite"
 DISK_SNAPSHOT_KEY = "disk_snapshot"
@@ -166,43 +175,6 @@ MIGRATIONS = [
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
-class SaverError(BlockdiffError):
-    """The checkpointer cannot do what was asked."""
-
-
-class MissingConfigKey(SaverError, ValueError):
-    """A config lacks a key the call needs (``thread_id``, ``checkpoint_id``)."""
-
-
-class UnknownCheckpoint(SaverError, LookupError):
-    """No checkpoint with that id in that thread."""
-
-
-class NoDiskSnapshot(SaverError):
-    """The checkpoint was saved without a disk snapshot."""
-
-
-class DiskWaitTimeout(SaverError, TimeoutError):
-    """A checkpoint's disk snapshot was not taken in time."""
-
-
-class ThreadNotEmpty(SaverError, ValueError):
-    """``copy_thread`` was given a target thread that has checkpoints."""
-
-
-class UnknownStrategy(SaverError, ValueError):
-    """``prune`` was given a strategy other than ``keep_latest`` and ``delete``."""
-
-
-class SnapshotsNotRemoved(SaverError):
-    """Checkpoints were deleted, but some disk snapshots only they used could
-    not be removed from the store (``snapshots`` maps each id to the error)."""
-
-    def __init__(self, message: str, snapshots: dict[str, BaseException]):
-        super().__init__(message)
-        self.snapshots = snapshots
-
-
 def _configurable(config: RunnableConfig | None) -> dict:
     return (config or {}).get("configurable") or {}
 
@@ -232,8 +204,8 @@ def _key_config(thread_id: str, checkpoint_ns: str, checkpoint_id: str) -> Runna
 class BlockdiffSaver(BaseCheckpointSaver[str]):
     """LangGraph checkpoints in a blockdiff store, each tied to a disk snapshot.
 
-    ``store`` is a :class:`~blockdiff.store.Store` or its directory; ``disk``
-    follows the disk protocol of :mod:`blockdiff.disks` (None: no snapshots).
+    ``store`` is a :class:`~blockdiff.store.store.Store` or its directory; ``disk``
+    follows the disk protocol of :mod:`blockdiff.agent.disks` (None: no snapshots).
     Close the saver when done (or use it as a context manager); a ``Store``
     passed in stays open.
     """
@@ -766,7 +738,7 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
         return errors
 
     def _agent_references(self, snapshots: set[str]) -> set[str]:
-        """Those of ``snapshots`` that agent checkpoints (``blockdiff.agent``,
+        """Those of ``snapshots`` that agent checkpoints (``blockdiff.agent.agent``,
         in the same store) name; all of them if that database cannot be read."""
         path = self.root / AGENT_DB_NAME
         if not snapshots or not path.exists():
@@ -865,7 +837,7 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
     def disk_snapshot(self, config: RunnableConfig) -> str | None:
         """The disk snapshot of the checkpoint the config names (of the thread's
         latest if it names none); None if it has none or the thread has no
-        checkpoint. ``UnknownCheckpoint`` if the named checkpoint is not saved."""
+        checkpoint. ``UnknownSaverCheckpoint`` if the named checkpoint is not saved."""
         thread_id = _thread_id(config)
         checkpoint_ns = _configurable(config).get("checkpoint_ns", "")
         checkpoint_id = get_checkpoint_id(config)
@@ -876,7 +848,7 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
                     "AND checkpoint_ns = ? AND checkpoint_id = ?",
                     (thread_id, checkpoint_ns, checkpoint_id)).fetchone()
                 if row is None:
-                    raise UnknownCheckpoint(
+                    raise UnknownSaverCheckpoint(
                         f"no checkpoint {checkpoint_id!r} in thread {thread_id!r}"
                         + (f" (namespace {checkpoint_ns!r})" if checkpoint_ns else "")
                         + f" of {self.path}; list them with graph.get_state_history(config)")
@@ -899,7 +871,8 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
             thread_id = _thread_id(config)
             checkpoint_id = get_checkpoint_id(config)
             if checkpoint_id is None and self.get_tuple(config) is None:
-                raise UnknownCheckpoint(f"thread {thread_id!r} has no checkpoint in {self.path}")
+                raise UnknownSaverCheckpoint(
+                    f"thread {thread_id!r} has no checkpoint in {self.path}")
             which = f"checkpoint {checkpoint_id}" if checkpoint_id else "the latest checkpoint"
             raise NoDiskSnapshot(f"{which} of thread {thread_id!r} has no disk snapshot: it was "
                                  f"saved without a disk, or by a subgraph")

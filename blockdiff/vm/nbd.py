@@ -23,7 +23,7 @@ import struct
 
 import numpy as np
 
-from blockdiff.errors import BlockdiffError
+from blockdiff.errors import NBDError
 
 NBDMAGIC = 0x4E42444D41474943
 IHAVEOPT = 0x49484156454F5054
@@ -79,12 +79,6 @@ _OPTION_REPLY = struct.Struct(">QIII")
 _REQUEST = struct.Struct(">IHHQQI")
 _SIMPLE_REPLY_REST = struct.Struct(">IQ")  # after the magic
 _STRUCTURED_REPLY_REST = struct.Struct(">HHQI")  # after the magic
-
-
-class NBDError(BlockdiffError):
-    """The NBD server refused something or spoke something else than NBD."""
-
-    exit_code = 9
 
 
 def _errno_text(code: int) -> str:

@@ -54,7 +54,7 @@ def reports_errors(command):
             # damaged): a state to report, not a bug in blockdiff.
             sqlite3 = sys.modules.get("sqlite3")
             if sqlite3 is not None and isinstance(e, sqlite3.Error):
-                _fail(f"the store's catalog: {e}; check the store with: blockdiff verify", 6)
+                _fail(f"the store's catalog: {e}; check the store with: blockdiff verify", 13)
             raise
 
     return wrapper
@@ -150,8 +150,8 @@ def create(out, target, base, fmt, base_digest, quiet):
     Example:
       blockdiff create step1.bdiff disk.img --base disk-step0.img
     """
-    from blockdiff.engine import create_diff
-    from blockdiff.view import human_size as _size
+    from blockdiff.engine.diff import create_diff
+    from blockdiff.engine.view import human_size as _size
 
     result = create_diff(out, target, base, format=fmt, base_digest=base_digest)
     _notes(result.notes)
@@ -182,8 +182,8 @@ def apply(diff, target, base, verify_base, quiet):
     Example:
       blockdiff apply step1.bdiff restored.img --base disk-step0.img
     """
-    from blockdiff.engine import apply_diff
-    from blockdiff.view import human_size as _size
+    from blockdiff.engine.diff import apply_diff
+    from blockdiff.engine.view import human_size as _size
 
     result = apply_diff(diff, target, base, verify_base=verify_base)
     _notes(result.notes)
@@ -207,7 +207,7 @@ def view(path, offset, as_json):
       blockdiff view step1.bdiff
       blockdiff view disk.img 0x100000 --json
     """
-    from blockdiff import view as view_module
+    from blockdiff.engine import view as view_module
 
     around = None if offset is None else _hex(offset)
     report = view_module.describe(path, around)
@@ -237,7 +237,7 @@ def demo(workdir, size, steps, no_vm, vm_image):
     Example:
       sudo blockdiff demo --size 1024 --steps 8
     """
-    from blockdiff import demo as demo_module
+    from blockdiff.demo import session as demo_module
 
     def show(event):
         timing = f"{event.seconds * 1000:8.1f} ms" if event.seconds else " " * 11
@@ -257,7 +257,7 @@ def store_option(command):
 
 
 def _open_store(path, *, freeing: bool = False):
-    from blockdiff.store import open_store
+    from blockdiff.store.store import open_store
 
     return open_store(path, freeing=freeing)
 
@@ -337,7 +337,7 @@ def init(directory, allow_copy, group):
     Example:
       blockdiff init /var/lib/sandboxes/store
     """
-    from blockdiff.store import Store
+    from blockdiff.store.store import Store
 
     Store.init(directory, allow_copy=allow_copy, group=group).close()
     click.echo(f"initialised store {directory}")
@@ -430,7 +430,7 @@ def log(store_path, snapshot_id, as_json):
     """
     import time as _time
 
-    from blockdiff.view import human_size
+    from blockdiff.engine.view import human_size
 
     with _open_store(store_path) as store:
         snaps = store.log(snapshot_id)
@@ -458,7 +458,7 @@ def tree(store_path):
     """
     from types import SimpleNamespace
 
-    from blockdiff.view import render_tree
+    from blockdiff.engine.view import render_tree
 
     with _open_store(store_path) as store:
         snapshots = store.log()
@@ -480,7 +480,7 @@ def rm(store_path, snapshot_id, as_json):
     Example:
       blockdiff rm --store S 3f2a9c0d1e2b4a5c
     """
-    from blockdiff.view import human_size
+    from blockdiff.engine.view import human_size
 
     with _open_store(store_path, freeing=True) as store:
         result = store.rm(snapshot_id)
@@ -514,8 +514,8 @@ def gc(store_path, keep_last, keep_within, dry_run, as_json):
     Example:
       blockdiff gc --store S --keep-last 50 --keep-within 1d
     """
-    from blockdiff.retention import Policy
-    from blockdiff.view import human_size
+    from blockdiff.engine.view import human_size
+    from blockdiff.store.retention import Policy
 
     policy = Policy(keep_last=keep_last, keep_within=_duration(keep_within, "--keep-within"))
     with _open_store(store_path, freeing=not dry_run) as store:
@@ -573,8 +573,8 @@ def diff_command(store_path, a, b, as_json):
     Example:
       blockdiff diff --store S 3f2a9c0d1e2b4a5c 77e0a1b2c3d4e5f6
     """
-    from blockdiff.extents import DATA
-    from blockdiff.view import human_size
+    from blockdiff.engine.extents import DATA
+    from blockdiff.engine.view import human_size
 
     with _open_store(store_path) as store:
         a, b = store.resolve(a), store.resolve(b)
@@ -607,7 +607,7 @@ def export(store_path, snapshot_id, out, since, as_json):
     Example:
       blockdiff export --store S 3f2a9c0d1e2b4a5c step7.bdx --since 77e0a1b2c3d4e5f6
     """
-    from blockdiff.view import human_size
+    from blockdiff.engine.view import human_size
 
     with _open_store(store_path) as store:
         snapshot_id = store.resolve(snapshot_id)
@@ -688,7 +688,7 @@ def vm():
 
 
 def _sandbox(store_path, name):
-    from blockdiff.sandbox import Sandbox
+    from blockdiff.vm.sandbox import Sandbox
 
     return Sandbox(_open_store(store_path), name)
 
@@ -715,7 +715,7 @@ def vm_build_image(directory, kernel_package, kernel_image, modules, disk_size, 
     Example:
       blockdiff vm build-image ~/.cache/blockdiff/vm
     """
-    from blockdiff.vmimage import build_image
+    from blockdiff.vm.image import build_image
 
     built = build_image(directory, kernel_package=kernel_package, kernel_image=kernel_image,
                         modules=modules, disk_size=disk_size * 1024 * 1024, force=force)
@@ -744,7 +744,7 @@ def vm_create(name, store_path, image, snapshot_id, kernel, memory, cpus):
       blockdiff vm create box --store S --image vm/rootfs.img
       blockdiff vm create box2 --store S --from 3f2a9c0d1e2b4a5c
     """
-    from blockdiff.sandbox import Sandbox
+    from blockdiff.vm.sandbox import Sandbox
 
     Sandbox.create(_open_store(store_path), name, image=image, snapshot=snapshot_id,
                    kernel=kernel, memory_mb=memory, cpus=cpus)
@@ -911,7 +911,7 @@ def vm_ls(store_path, as_json):
     Example:
       blockdiff vm ls --json
     """
-    from blockdiff.sandbox import Sandbox
+    from blockdiff.vm.sandbox import Sandbox
 
     statuses = [box.status() for box in Sandbox.list(_open_store(store_path))]
     if as_json:
@@ -938,7 +938,7 @@ def agent():
 
 
 def _agent_db(store_path, codec=None):
-    from blockdiff.agent import AgentDB
+    from blockdiff.agent.agent import AgentDB
 
     return AgentDB(_open_store(store_path), codec)
 
@@ -946,7 +946,7 @@ def _agent_db(store_path, codec=None):
 def _checkpoint_id(store, checkpoint_id: str, thread: str) -> str:
     """The full id of the checkpoint an id or a unique prefix of one names
     (an error about it points to THREAD's history)."""
-    from blockdiff.agent import AgentDB
+    from blockdiff.agent.agent import AgentDB
 
     with AgentDB(store) as db:
         return db.checkpoint(checkpoint_id, thread).id
@@ -992,7 +992,7 @@ def agent_history(thread, store_path, as_json):
     Example:
       blockdiff agent history --store S run-42
     """
-    from blockdiff.sealing import Codec
+    from blockdiff.agent.sealing import Codec
 
     # Sealed meta shows with the key (and as null without it) in --json only.
     history = _agent_db(store_path, Codec() if as_json else None).history(thread)
@@ -1030,7 +1030,7 @@ def agent_show(checkpoint_id, store_path, as_json):
     Example:
       BLOCKDIFF_AGENT_KEY=... blockdiff agent show --store S 6050da99569807ab
     """
-    from blockdiff.sealing import Codec
+    from blockdiff.agent.sealing import Codec
 
     codec = Codec()
     db = _agent_db(store_path, codec)
@@ -1085,7 +1085,7 @@ def agent_pending(store_path, as_json):
     Example:
       blockdiff agent pending --store S
     """
-    from blockdiff.sealing import Codec
+    from blockdiff.agent.sealing import Codec
 
     approvals = _agent_db(store_path).approvals(pending_only=True, codec=Codec())
     if as_json:
@@ -1151,7 +1151,7 @@ def agent_rewind(thread, checkpoint_id, store_path, as_json):
     Example:
       blockdiff agent rewind --store S run-42 6050da99569807ab
     """
-    from blockdiff.agent import rewind_thread
+    from blockdiff.agent.agent import rewind_thread
 
     store = _open_store(store_path)
     checkpoint_id = _checkpoint_id(store, checkpoint_id, thread)
@@ -1181,7 +1181,7 @@ def agent_fork(thread, checkpoint_id, new_thread, store_path, as_json):
     Example:
       blockdiff agent fork --store S run-42 6050da99569807ab run-42b
     """
-    from blockdiff.agent import fork_thread
+    from blockdiff.agent.agent import fork_thread
 
     store = _open_store(store_path)
     checkpoint_id = _checkpoint_id(store, checkpoint_id, thread)
@@ -1225,6 +1225,6 @@ def agent_keygen():
     Example:
       export BLOCKDIFF_AGENT_KEY=$(blockdiff agent keygen)
     """
-    from blockdiff.sealing import new_key
+    from blockdiff.agent.sealing import new_key
 
     click.echo(new_key())

@@ -27,18 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from blockdiff import native, scratch
-from blockdiff.errors import BlockdiffError
-from blockdiff.identity import sha256_file
+from blockdiff import native
+from blockdiff.demo import scratch
+from blockdiff.engine.identity import sha256_file
+from blockdiff.errors import DemoCheckFailed
 
 MiB = 1 << 20
 BLOCK = 4096
-
-
-class DemoCheckFailed(BlockdiffError):
-    """Something the demo restored differs from what it committed."""
-
-    exit_code = 7
 
 
 def check(condition: bool, message: str) -> None:
@@ -119,8 +114,8 @@ def run(workdir: str | os.PathLike | None = None, *, size: int = 512 * MiB, step
     directory) runs agent steps too. Raises ``DemoCheckFailed`` if anything
     restored differs from what was snapshotted.
     """
-    from blockdiff.store import Store
-    from blockdiff.view import render_tree
+    from blockdiff.engine.view import render_tree
+    from blockdiff.store.store import Store
 
     events: list[Event] = []
 
@@ -250,9 +245,9 @@ def _sandbox_steps(store, root: Path, image_dir, emit, timed) -> bool:
     False when QEMU is missing and they were skipped."""
     import shutil
 
-    from blockdiff.qemu import QEMU
-    from blockdiff.sandbox import Sandbox
-    from blockdiff.vmimage import build_image
+    from blockdiff.vm.image import build_image
+    from blockdiff.vm.qemu import QEMU
+    from blockdiff.vm.sandbox import Sandbox
 
     if shutil.which(QEMU) is None:
         emit(f"sandbox VM: skipped, {QEMU} is not installed (bash .ci/setup installs it)")

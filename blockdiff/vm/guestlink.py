@@ -28,7 +28,7 @@ import struct
 import time
 from dataclasses import dataclass
 
-from blockdiff.errors import BlockdiffError
+from blockdiff.errors import GuestError, GuestTimeout
 
 MAGIC = b"BDA1"
 HEADER = struct.Struct("<4sBBHII")
@@ -37,16 +37,6 @@ REPLY, ERROR = 0x80, 0xFF
 TIMED_OUT, TRUNCATED = 1, 2
 # How long past a command's own timeout the host waits for the guest's answer.
 ANSWER_GRACE = 5.0
-
-
-class GuestError(BlockdiffError):
-    """The guest agent did not answer, or answered with an error."""
-
-    exit_code = 9
-
-
-class GuestTimeout(GuestError):
-    pass
 
 
 @dataclass(frozen=True)

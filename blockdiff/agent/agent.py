@@ -33,12 +33,22 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from blockdiff.catalog import candidates, id_prefix, immediate_transaction, prefix_matches
-from blockdiff.disks import Disk, ImageDisk
-from blockdiff.errors import BlockdiffError, UsageError
-from blockdiff.retention import check_duration
-from blockdiff.sealing import PLAIN, Codec, SealingError, content_hash, create_private
-from blockdiff.store import Store, open_store
+from blockdiff.agent.disks import Disk, ImageDisk
+from blockdiff.agent.sealing import PLAIN, Codec, SealingError, content_hash, create_private
+from blockdiff.errors import (
+    AgentError,
+    AmbiguousCheckpoint,
+    InDoubt,
+    ThreadBusy,
+    ThreadFailed,
+    ToolFailed,
+    UnknownCheckpoint,
+    UnknownThread,
+    UsageError,
+)
+from blockdiff.store.catalog import candidates, id_prefix, immediate_transaction, prefix_matches
+from blockdiff.store.retention import check_duration
+from blockdiff.store.store import Store, open_store
 
 DB_NAME = "agent.sqlite"
 # 2: meta is redacted and sealed like the state; the content hash is taken
@@ -129,22 +139,6 @@ MIGRATIONS = [
 ]
 
 
-class AgentError(BlockdiffError):
-    exit_code = 10
-
-
-class UnknownThread(AgentError):
-    pass
-
-
-class UnknownCheckpoint(AgentError):
-    pass
-
-
-class AmbiguousCheckpoint(AgentError):
-    """A checkpoint id prefix that more than one checkpoint's id begins with."""
-
-
 def _unknown_thread(thread_id: str, root) -> UnknownThread:
     """The one error every command given a thread that is not there raises."""
     return UnknownThread(f"no thread {thread_id!r} in {root}; list them with: "
@@ -159,25 +153,16 @@ def _unknown_checkpoint(checkpoint_id: str, where: str,
                              f"{listing}")
 
 
-class ThreadBusy(AgentError):
-    """The thread is being run by another process."""
-
-
-class InDoubt(AgentError):
-    """A call was in flight when its process died, and its tool cannot say
-    whether it took effect: running it again could do it twice."""
-
-
 class NotApplied(Exception):
     """Raised by a tool whose call failed without taking effect (a declined
     payment, a rejected request). Any other exception leaves the call in
     doubt, to be settled before it is retried."""
 
 
-class ApprovalPending(AgentError):
-    """Raised to stop a run that waits for a human; not a failure."""
-
-    exit_code = 0
+class ApprovalPending(Exception):
+    """Raised to stop a run that waits for a human: not a failure, so not a
+    :class:`~blockdiff.errors.BlockdiffError`; the caller ends the run and
+    resumes it once the approval is decided."""
 
     def __init__(self, thread: str, approval_id: str, action):
         super().__init__(f"thread {thread} waits for approval of {json.dumps(action)}; "
@@ -471,7 +456,7 @@ class AgentDB:
             db.executemany("DELETE FROM checkpoints WHERE id = ?", [(c.id,) for c in expired])
             still_used = {r[0] for r in db.execute(
                 "SELECT DISTINCT disk_snapshot FROM checkpoints WHERE disk_snapshot IS NOT NULL")}
-        from blockdiff.store import UnknownSnapshot
+        from blockdiff.store.store import UnknownSnapshot
 
         for snapshot in {c.disk_snapshot for c in expired if c.disk_snapshot} - still_used:
             with contextlib.suppress(UnknownSnapshot):
@@ -484,7 +469,7 @@ class AgentDB:
         the command line escapes what a terminal would act on."""
         from types import SimpleNamespace
 
-        from blockdiff.view import render_tree
+        from blockdiff.engine.view import render_tree
 
         nodes = [SimpleNamespace(seq=r[0], id=r[1], parent=r[2],
                                  message=label(f"[{r[3]}] step {r[4]}: {r[5]}"))
@@ -563,7 +548,7 @@ class AgentDB:
 def disk_binding(disk) -> str | None:
     """How a thread remembers its disk, so that other processes (the CLI) can
     restore it: ``vm:NAME`` or ``image:PATH``."""
-    from blockdiff.sandbox import Sandbox
+    from blockdiff.vm.sandbox import Sandbox
 
     if disk is None:
         return None
@@ -575,7 +560,7 @@ def disk_binding(disk) -> str | None:
 
 
 def bound_disk(store: Store, binding: str | None) -> Disk | None:
-    from blockdiff.sandbox import Sandbox
+    from blockdiff.vm.sandbox import Sandbox
 
     if not binding:
         return None
@@ -592,8 +577,8 @@ class Agent:
 
     ``state`` (a JSON-serialisable dict: plan, variables, cursors, pending
     actions) and ``messages`` (the message log) are the execution state;
-    ``disk`` is the sandbox (a :class:`~blockdiff.sandbox.Sandbox`, an
-    :class:`~blockdiff.disks.ImageDisk`, or None). Opening a thread that
+    ``disk`` is the sandbox (a :class:`~blockdiff.vm.sandbox.Sandbox`, an
+    :class:`~blockdiff.agent.disks.ImageDisk`, or None). Opening a thread that
     exists resumes it at its head: state, messages and disk as checkpointed.
 
     ``trace`` is called with the name of each point of the step protocol as
@@ -1079,14 +1064,6 @@ class Agent:
         return self.db.history(self.thread_id)
 
 
-class ThreadFailed(AgentError):
-    """The thread's run failed (and was compensated); it is not resumed."""
-
-
-class ToolFailed(AgentError):
-    """A tool raised; the step failed and may be retried."""
-
-
 class Step:
     """The body of ``with agent.step(...)``: see :meth:`Agent.step`."""
 
@@ -1180,7 +1157,7 @@ def fork_thread(store: Store, thread_id: str, checkpoint_id: str, new_thread: st
 def _fork_disk(store: Store, binding: str | None, snapshot: str | None, new_thread: str):
     if not binding or not snapshot:
         return None
-    from blockdiff.sandbox import Sandbox
+    from blockdiff.vm.sandbox import Sandbox
 
     kind, _, where = binding.partition(":")
     if kind == "vm":

@@ -10,9 +10,10 @@ import os
 
 import numpy as np
 
-from blockdiff import engine, native
-from blockdiff import format as fmt
-from blockdiff.extents import DATA
+from blockdiff import native
+from blockdiff.engine import diff as engine
+from blockdiff.engine import formats as fmt
+from blockdiff.engine.extents import DATA
 
 # Ranges shown on each side of the one containing the requested offset.
 CONTEXT = 3

@@ -33,8 +33,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockdiff.errors import BlockdiffError
-from blockdiff.identity import sha256_file
+from blockdiff.engine.identity import sha256_file
+from blockdiff.errors import ImageBuildError
 
 BUILDER_VERSION = 1
 GUEST_DIR = Path(__file__).with_name("guest")
@@ -48,10 +48,6 @@ FILES = ("vmlinuz", "initrd.img", "rootfs.img")
 # Fixed so that two builds of the same inputs give the same disk.
 ROOTFS_UUID = "6b1d4f0e-5a5e-4b1d-9d1f-b10cd1ff0001"
 FAKE_TIME = "1700000000"
-
-
-class ImageBuildError(BlockdiffError):
-    exit_code = 8
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from blockdiff import native
+from blockdiff.engine.extents import DATA, ZERO, RangeSet
 from blockdiff.errors import ChecksumMismatch, InvalidDiff
-from blockdiff.extents import DATA, ZERO, RangeSet
 
 V1_MAGIC = b"BDIFFv1\0"
 V2_MAGIC = b"BDIFFv2\0"

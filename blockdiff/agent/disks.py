@@ -1,6 +1,6 @@
 """Sandbox disks for the layers above the store: anything with
 ``checkpoint(message, meta, ttl, skip_unchanged) -> snapshot id`` and
-``restore(snapshot id)``. A :class:`blockdiff.sandbox.Sandbox` (a VM) is one;
+``restore(snapshot id)``. A :class:`blockdiff.vm.sandbox.Sandbox` (a VM) is one;
 :class:`ImageDisk` is the other: a plain image file committed to a store,
 for agents whose sandbox is not a VM (a container's disk, a test)."""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Protocol
 
-from blockdiff.store import Store, open_store
+from blockdiff.store.store import Store, open_store
 
 
 class Disk(Protocol):

@@ -20,19 +20,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockdiff.agentlink import connect_unix
-from blockdiff.errors import BlockdiffError
-from blockdiff.nbd import dirty_ranges
+from blockdiff.errors import VMError
+from blockdiff.vm.guestlink import connect_unix
+from blockdiff.vm.nbd import dirty_ranges
 
 QEMU = "qemu-system-x86_64"
 AGENT_PORT = "org.blockdiff.agent"
 DISK_NODE = "disk0-raw"   # the disk's block node, where its dirty bitmap lives
 ACCEL_ENV = "BLOCKDIFF_VM_ACCEL"
 PROBE_TIMEOUT = 10.0
-
-
-class VMError(BlockdiffError):
-    exit_code = 9
 
 
 def find_qemu() -> str:

@@ -1,0 +1,99 @@
+"""Files written whole or not at all, and whole-file reflinks with a copy as
+the fallback: what every layer that writes a result shares."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+
+from blockdiff import native
+
+# Errors that mean "these two files cannot share extents": copy instead.
+_NO_REFLINK = {errno.EXDEV, errno.EOPNOTSUPP, errno.ENOTTY, errno.EINVAL, errno.ENOSYS}
+
+
+@contextlib.contextmanager
+def open_fd(path: str, flags: int = os.O_RDONLY):
+    """A file descriptor of ``path``, closed when the block ends."""
+    fd = os.open(path, flags | os.O_CLOEXEC)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def clone_or_copy(src_fd: int, dst_fd: int, size: int, path: str) -> bool:
+    """Make ``dst_fd`` a whole-file reflink of ``src_fd``, or where reflink
+    cannot be had (another filesystem, none at all) a copy keeping holes.
+    True when it is a reflink."""
+    try:
+        native.clone_file(dst_fd, src_fd, path)
+        return True
+    except OSError as e:
+        if e.errno not in _NO_REFLINK:
+            raise
+    native.copy_sparse(src_fd, dst_fd, size, path)
+    return False
+
+
+def copy_file(src: str | os.PathLike, dst: str | os.PathLike) -> bool:
+    """``src`` to ``dst`` by :func:`clone_or_copy`, replacing ``dst`` atomically."""
+    with open_fd(src) as src_fd, atomic_output(os.fspath(dst)) as (out_fd, temp):
+        return clone_or_copy(src_fd, out_fd, os.fstat(src_fd).st_size, temp)
+
+
+def temp_beside(final_path: str) -> str:
+    """A new temporary name in the directory of ``final_path``."""
+    # A random name opened O_EXCL, like tempfile.mkstemp, without its import cost.
+    return os.path.join(os.path.dirname(os.path.abspath(final_path)),
+                        f".{os.path.basename(final_path)}.{os.urandom(6).hex()}.partial")
+
+
+def naming_final(error: OSError, temp: str, final_path: str) -> OSError:
+    """``error`` as it should reach the user: naming the file asked for, not
+    the temporary one it was being written as."""
+    if error.filename is not None and os.fspath(error.filename) == temp:
+        return OSError(error.errno, error.strerror, final_path)
+    return error
+
+
+@contextlib.contextmanager
+def atomic_output(final_path: str, mode: int = 0o666):
+    """A temporary file beside ``final_path`` that replaces it only on success.
+
+    Yields ``(fd, temp_path)``. On success the file is fsynced, renamed over
+    the final name and the directory fsynced; on failure it is removed, so a
+    half-written result never appears under the final name.
+
+    The file gets ``mode`` less the process's umask, as ``open()`` would give
+    a new file (the kernel applies the umask when it creates the file, so
+    nothing reads or changes the process-wide umask). A ``final_path`` that
+    is a symbolic link is replaced by the new file; what it pointed to is
+    left untouched.
+    """
+    directory = os.path.dirname(os.path.abspath(final_path))
+    temp = temp_beside(final_path)
+    try:
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode & 0o7777)
+    except OSError as e:
+        raise naming_final(e, temp, final_path) from None
+    try:
+        yield fd, temp
+        native.fsync(fd, temp)
+        os.rename(temp, final_path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise naming_final(e, temp, final_path) from None
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    finally:
+        os.close(fd)
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
