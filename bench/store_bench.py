@@ -590,6 +590,8 @@ def main(argv=None) -> int:
     ap.add_argument("--frag-mib", type=int, default=None,
                     help="size in MiB of the fragmented image (default 1024; 256 quick)")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    ap.add_argument("--plot", metavar="OUT", type=Path,
+                    help="also draw the results to OUT.png and OUT.svg (bench/plots.py)")
     ap.add_argument("--drop-caches", choices=("none", "copy", "all"), default="copy",
                     help="drop the page cache before each timed run of: nothing, the rows that "
                          "copy the whole image (default), every row")
@@ -678,13 +680,18 @@ def main(argv=None) -> int:
     bad = [c for c in b.checks if not c["identical"]]
     print(f"restores checked against the SHA-256 recorded at commit: {len(b.checks)}, "
           f"{'all identical' if not bad else f'{len(bad)} DIFFERENT'}")
+    results = {"meta": meta, "rows": rows, "sizes": sizes, "checks": b.checks,
+               "digest_steps": out["digest_steps"], "step_write_s": out["step_write_s"],
+               "qemu_io_write_s": qout.get("qemu_io_write_s", [])}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows, "sizes": sizes, "checks": b.checks,
-                       "digest_steps": out["digest_steps"],
-                       "step_write_s": out["step_write_s"],
-                       "qemu_io_write_s": qout.get("qemu_io_write_s", [])}, f, indent=2)
+            json.dump(results, f, indent=2)
         log(f"wrote {args.json}")
+    if args.plot:
+        from plots import store_figure
+
+        for path in store_figure(results, args.plot):
+            log(f"drew {path}")
     return 1 if bad else 0
 
 

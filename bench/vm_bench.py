@@ -169,9 +169,9 @@ def run(args) -> dict:
         "machine": {"host": platform.node(), "kernel": platform.release(), "accel": accel,
                     "cpus": os.cpu_count()},
         "config": {"steps": args.steps, "disk_mib": args.disk_mib, "pool_mib": args.pool_mib},
-        "checkpoint_paused": stats(pause),
+        "checkpoint_paused": stats(pause) | {"samples": pause},
         "checkpoint_total": stats(total),
-        "full_copy_paused": stats(copy_pause),
+        "full_copy_paused": stats(copy_pause) | {"samples": copy_pause},
         "restore_undo": stats(undo),
         "restore_swap": stats(swap),
         "checkpoints_tracked": sum(tracked),
@@ -253,6 +253,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pool-mib", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    ap.add_argument("--plot", metavar="OUT", type=Path,
+                    help="also draw the results to OUT.png and OUT.svg (bench/plots.py)")
     ap.add_argument("--workdir", default=DEFAULT_TMP_DIR,
                     help=f"where the image cache and scratch filesystem go ({DEFAULT_TMP_DIR})")
     args = ap.parse_args(argv)
@@ -264,6 +266,11 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     print(table(results))
+    if args.plot:
+        from plots import vm_figure
+
+        for path in vm_figure(results, args.plot):
+            print(f"drew {path}")
     return 0
 
 
