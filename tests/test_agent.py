@@ -13,6 +13,7 @@ import time
 import pytest
 
 from blockdiff.agent import agent as agent_module
+from blockdiff.agent import model
 from blockdiff.agent.agent import (
     NOT_APPLIED,
     Agent,
@@ -360,7 +361,7 @@ def test_sealed_state_needs_its_key(setup, monkeypatch):
         a.state["note"] = "visible only with the key"
         order_step(a, image, 10)
         head = a.head
-    raw = sqlite3.connect(store.root / agent_module.DB_NAME)
+    raw = sqlite3.connect(store.root / model.DB_NAME)
     blobs = b"".join(r[0] + r[1] for r in raw.execute("SELECT state, messages FROM checkpoints"))
     blobs += b"".join(r[0] for r in raw.execute("SELECT args FROM journal"))
     assert b"visible only" not in blobs and b"amount" not in blobs
@@ -544,7 +545,7 @@ def _umask(mask: int):
 
 def test_a_new_agent_database_is_private(setup):
     store, _, _ = setup
-    path = store.root / agent_module.DB_NAME
+    path = store.root / model.DB_NAME
     with _umask(0o022):
         with Agent(store, "t", key=new_key()) as a:
             a.state["x"] = 1
@@ -571,12 +572,12 @@ def test_a_new_agent_database_is_private(setup):
 
 
 def _agent_files(store) -> bytes:
-    path = store.root / agent_module.DB_NAME
+    path = store.root / model.DB_NAME
     return b"".join(p.read_bytes() for p in path.parent.glob(path.name + "*"))
 
 
 def _hashes(store) -> dict[str, str]:
-    raw = sqlite3.connect(store.root / agent_module.DB_NAME)
+    raw = sqlite3.connect(store.root / model.DB_NAME)
     try:
         return dict(raw.execute("SELECT id, content_hash FROM checkpoints"))
     finally:
@@ -662,7 +663,7 @@ def test_content_hashes_written_before_they_were_keyed_are_replaced(setup, monke
         a.state["plan"] = "plain plan"
         a.checkpoint("one")
     # As blockdiff wrote them before: a plain SHA-256 of the state.
-    raw = sqlite3.connect(store.root / agent_module.DB_NAME, isolation_level=None)
+    raw = sqlite3.connect(store.root / model.DB_NAME, isolation_level=None)
     for thread, state in (("sealed", {"plan": "sealed plan"}), ("plain", {"plan": "plain plan"})):
         legacy = hashlib.sha256(json.dumps(state, sort_keys=True, separators=(",", ":"))
                                 .encode() + b"\0[]").hexdigest()
@@ -670,7 +671,7 @@ def test_content_hashes_written_before_they_were_keyed_are_replaced(setup, monke
                     (legacy, thread))
     plan = " ".join(r[-1] for r in raw.execute(
         "EXPLAIN QUERY PLAN SELECT id, state, messages, content_hash FROM checkpoints "
-        f"WHERE {agent_module._LEGACY_HASH}"))
+        f"WHERE {model._LEGACY_HASH}"))
     assert "checkpoints_legacy_hash" in plan                # found without a scan
     raw.close()
     AgentDB(store).close()                 # no key: the plain ones are rehashed, sealed wait
