@@ -271,7 +271,7 @@ def _v2(entries, data: bytes = b"", *, keep: int | None = None, bad_header_crc: 
     values.update(fields)
     if bad_table_crc:
         values["table_crc"] ^= 1
-    head = fmt._V2_FIXED.pack(*(values[n] for n in _V2_NAMES))
+    head = fmt.v2.HEADER.pack(*(values[n] for n in _V2_NAMES))
     crc = native.crc32c(head[:188]) ^ (1 if bad_header_crc else 0)
     head = head[:188] + struct.pack("<I", crc)
     out = head + table

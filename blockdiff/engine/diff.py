@@ -29,13 +29,12 @@ from blockdiff.engine.extents import (
     RangeSet,
     changed_ranges,
     ranges_from_block_classes,
-    union,
 )
 from blockdiff.engine.files import atomic_output, clone_or_copy, open_fd
+from blockdiff.engine.units import human_size
 from blockdiff.errors import ChecksumMismatch, UsageError, WrongBase
 
 BLOCK = 4096
-FORMATS = ("v1", "v2")
 # Filesystems whose FIEMAP physical addresses identify shared (reflinked) data.
 _SHARING_FILESYSTEMS = {native.XFS_MAGIC: "xfs", native.BTRFS_MAGIC: "btrfs"}
 
@@ -152,57 +151,48 @@ def create_diff(out: str | os.PathLike, target: str | os.PathLike,
     not at all. ``base_digest`` (v2) also records a digest of the whole base,
     read in full, for ``apply_diff(..., verify_base=True)``.
     """
-    if format not in FORMATS:
-        raise UsageError(f"unknown diff format {format!r}; use one of {', '.join(FORMATS)}")
+    form = fmt.named(format)
+    if base_digest and not form.records_base_digest:
+        able = " or ".join(f.name for f in fmt.FORMATS if f.records_base_digest)
+        raise UsageError(f"a {form.name} diff cannot record a digest of its whole base; "
+                         f"make a {able} diff for --base-digest")
     out, target = os.fspath(out), os.fspath(target)
     base = None if base is None else os.fspath(base)
     _refuse_same_file(out, "OUT", {"TARGET": target, "BASE": base})
     _refuse_same_file(target, "TARGET", {"BASE": base})   # a diff of nothing, by mistake
-    version = 1 if format == "v1" else 2
     with contextlib.ExitStack() as stack:
         target_fd = stack.enter_context(open_fd(target))
         base_fd = None if base is None else stack.enter_context(open_fd(base))
         ranges, method, notes = diff_ranges(target_fd, target, base_fd, base)
         target_size = os.fstat(target_fd).st_size
         base_size = target_size if base_fd is None else os.fstat(base_fd).st_size
-        table = _v1_table(ranges) if version == 1 else ranges
-        data_pos = fmt.layout_data(table, version=version)
-        data_length = fmt.data_region_length(table, data_pos, version=version)
-        if version == 1:
-            head = fmt.encode_v1(target_size, base_size, table)
-            data_offset = len(head)
-        else:
-            data_offset = fmt.v2_data_offset(len(table))
+        table = form.range_table(ranges)
+        data_pos = form.layout_data(table)
+        data_length = form.data_region_length(table, data_pos)
+        data_offset = form.data_offset(len(table))
 
-        # Only DATA is stored; in v1 a ZERO range's share of the data region is
-        # left a hole, which reads as zeros wherever the diff goes.
+        # Only DATA is stored; a ZERO range a format writes as a DATA range
+        # (v1) is left a hole in the data region, which reads as zeros
+        # wherever the diff goes.
         is_data = ranges.kind == DATA
         src, length = ranges.offset[is_data], ranges.length[is_data]
         containing = np.searchsorted(table.offset, src, side="right") - 1
         dst = np.uint64(data_offset) + data_pos[containing] + (src - table.offset[containing])
         out_fd, out_temp = stack.enter_context(atomic_output(out))
         crcs, reflinked = native.transfer_ranges(target_fd, out_fd, src, dst, length, out_temp,
-                                                 checksums=version == 2)
-        new_id = fmt.NO_ID
-        if version == 2:
-            crc = np.zeros(len(ranges), np.uint32)
-            crc[is_data] = crcs
-            new_id = target_id or os.urandom(16)
-            header = fmt.DiffHeader(
-                version=2, target_size=target_size,
-                base_size=0 if base_fd is None else base_size, has_base=base_fd is not None,
-                ranges=table, data_pos=data_pos, crc=crc,
-                data_offset=data_offset, data_length=data_length,
-                base_fingerprint=(bytes(16) if base_fd is None
-                                  else identity.fingerprint(base_fd, base_size, base)),
-                fingerprint_samples=0 if base_fd is None else identity.FINGERPRINT_SAMPLES,
-                base_id=(fmt.NO_ID if base_fd is None
-                         else identity.read_snapshot_id(base_fd) or fmt.NO_ID),
-                target_id=new_id,
-                base_digest=(whole_base_digest(base_fd, base_size, base)
-                             if base_digest and base_fd is not None else None))
-            head = fmt.encode_v2(header)
-        os.pwrite(out_fd, head, 0)
+                                                 checksums=form.checksums_data)
+        crc = None
+        if crcs is not None:
+            crc = np.zeros(len(table), np.uint32)
+            crc[containing] = crcs
+        new_id = (target_id or os.urandom(16)) if form.records_target_id else fmt.NO_ID
+        header = fmt.DiffHeader(
+            version=form.version, target_size=target_size,
+            base_size=0 if base_fd is None else base_size, has_base=base_fd is not None,
+            ranges=table, data_pos=data_pos, crc=crc,
+            data_offset=data_offset, data_length=data_length, target_id=new_id,
+            **_base_identity(form, base_fd, base_size, base, base_digest))
+        os.pwrite(out_fd, form.encode(header), 0)
         # Sets the size exactly, leaving unwritten parts (v1 zero ranges) as holes.
         native.truncate(out_fd, data_offset + data_length, out_temp)
     if reflinked < len(src) and method == "extents":
@@ -210,16 +200,26 @@ def create_diff(out: str | os.PathLike, target: str | os.PathLike,
                      f"reflinking them (the output is on another filesystem or reflink is "
                      f"unavailable)")
     return CreateResult(
-        path=out, version=version, target_size=target_size, base_size=base_size,
+        path=out, version=form.version, target_size=target_size, base_size=base_size,
         ranges=len(table), data_bytes=ranges.bytes_of(DATA), zero_bytes=ranges.bytes_of(ZERO),
         method=method, reflinked=reflinked, target_id=new_id, notes=notes)
 
 
-def _v1_table(ranges: RangeSet) -> RangeSet:
-    """The v1 range table: v1 has no zero records, so ZERO ranges join the
-    table as ranges whose stored data is a hole, merged with their neighbours."""
-    start, end = union(ranges.offset, ranges.offset + ranges.length)
-    return RangeSet(start, end - start, np.full(len(start), DATA, np.uint8))
+def _base_identity(form: fmt.DiffFormat, base_fd: int | None, base_size: int,
+                   base: str | None, digest: bool) -> dict:
+    """The header fields naming the base, as far as ``form`` records them
+    (each costs reads of the base, so none is computed for a format without
+    it); ``digest`` asks for the digest of the whole base too."""
+    fields: dict = {}
+    if base_fd is None:
+        return fields
+    if form.records_base_identity:
+        fields.update(base_fingerprint=identity.fingerprint(base_fd, base_size, base),
+                      fingerprint_samples=identity.FINGERPRINT_SAMPLES,
+                      base_id=identity.read_snapshot_id(base_fd) or fmt.NO_ID)
+    if digest:   # create_diff refuses it for a format that cannot record it
+        fields["base_digest"] = whole_base_digest(base_fd, base_size, base)
+    return fields
 
 
 # ------------------------------------------------------------------- apply
@@ -244,22 +244,25 @@ def whole_base_digest(fd: int, size: int, path: str) -> bytes:
 
 def _check_base(header: fmt.DiffHeader, diff: str, base_fd: int | None,
                 base: str | None, verify_base: bool = False) -> None:
-    if verify_base and header.version == 1:
-        raise UsageError(f"{diff} is a v1 diff, which records only its base's size; "
-                         f"--verify-base needs a v2 diff made with --base-digest")
+    """Refuse a base (or its absence) the diff was not made against, checking
+    everything the diff's format records about it."""
+    form = fmt.of(header)
+    if verify_base and not form.records_base_digest:
+        raise UsageError(f"{diff} is a {form.name} diff, which records no digest of its "
+                         f"whole base; --verify-base needs a diff made with --base-digest")
     if base_fd is None:
-        if header.version == 2 and header.has_base:
+        if header.has_base and form.records_has_base:
             raise UsageError(f"{diff} was made against a base of {header.base_size} bytes; "
                              f"pass it with --base")
         return
-    if header.version == 2 and not header.has_base:
+    if not header.has_base:
         raise UsageError(f"{diff} was made without a base (it holds the whole image); "
                          f"apply it without --base")
     base_size = os.fstat(base_fd).st_size
     if base_size != header.base_size:
         raise WrongBase(f"{base} is not the base of {diff}: it has {base_size} bytes, the diff "
                         f"expects {header.base_size}; pass the base the diff was made from")
-    if header.version == 1:
+    if not form.records_base_identity:
         return
     known = identity.read_snapshot_id(base_fd)
     if known and header.base_id != fmt.NO_ID and known != header.base_id:
@@ -282,8 +285,9 @@ def _check_base(header: fmt.DiffHeader, diff: str, base_fd: int | None,
 
 
 def verify_data(diff_fd: int, header: fmt.DiffHeader, diff: str) -> None:
-    """Check every v2 data range against its CRC32C (v1 has no checksums)."""
-    if header.version != 2:
+    """Check every data range against its CRC32C, for a format that records
+    them (v1 does not)."""
+    if not fmt.of(header).checksums_data:
         return
     is_data = header.ranges.kind == DATA
     crcs, _ = native.transfer_ranges(
@@ -319,7 +323,6 @@ def _check_capacity(header: fmt.DiffHeader, diff: str, target: str) -> None:
     st = os.statvfs(directory)
     capacity = st.f_blocks * st.f_frsize
     if capacity and header.target_size > capacity:   # 0: the filesystem does not say
-        from blockdiff.engine.view import human_size
         raise OSError(errno.ENOSPC,
                       f"No space left on device: {diff} describes a target of "
                       f"{header.target_size} bytes ({human_size(header.target_size)}), larger "
@@ -396,7 +399,7 @@ def apply_diff(diff: str | os.PathLike, target: str | os.PathLike,
             native.zero_ranges(out_fd, z_off, np.minimum(ranges.length[zero], limit - z_off),
                                temp)
         native.truncate(out_fd, header.target_size, temp)
-        if header.version == 2 and header.target_id != fmt.NO_ID:
+        if header.target_id != fmt.NO_ID:   # as it reads where the format records none
             identity.tag_snapshot_id(out_fd, header.target_id)
     return ApplyResult(
         path=target, version=header.version, target_size=header.target_size,

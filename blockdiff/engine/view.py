@@ -13,7 +13,8 @@ import numpy as np
 from blockdiff import native
 from blockdiff.engine import diff as engine
 from blockdiff.engine import formats as fmt
-from blockdiff.engine.extents import DATA
+from blockdiff.engine.extents import DATA, ZERO
+from blockdiff.engine.units import human_size
 
 # Ranges shown on each side of the one containing the requested offset.
 CONTEXT = 3
@@ -21,7 +22,7 @@ CONTEXT = 3
 
 def _is_diff(path: str) -> bool:
     with open(path, "rb") as f:
-        return f.read(5) == b"BDIFF" or path.endswith(".bdiff")
+        return f.read(len(fmt.MAGIC_PREFIX)) == fmt.MAGIC_PREFIX or path.endswith(".bdiff")
 
 
 def _window(starts: np.ndarray, lengths: np.ndarray, around: int | None):
@@ -47,6 +48,7 @@ def describe(path: str | os.PathLike, around: int | None = None) -> dict:
 
 def _describe_diff(path: str, around: int | None) -> dict:
     h = engine.read_diff(path)
+    form = fmt.of(h)
     r = h.ranges
     shown, hit = _window(r.offset, r.length, around)
     ranges = []
@@ -59,13 +61,13 @@ def _describe_diff(path: str, around: int | None) -> dict:
                 entry["crc32c"] = f"{int(h.crc[i]):08x}"
         ranges.append(entry)
     report = {
-        "type": "diff", "path": path, "format": f"BDIFFv{h.version}",
+        "type": "diff", "path": path, "format": form.label,
         "target_size": h.target_size, "base_size": h.base_size, "has_base": h.has_base,
         "range_count": len(r), "data_bytes": r.bytes_of(DATA),
-        "zero_bytes": r.bytes_of(1), "data_offset": h.data_offset,
+        "zero_bytes": r.bytes_of(ZERO), "data_offset": h.data_offset,
         "around": around, "containing": hit, "ranges": ranges,
     }
-    if h.version == 2:
+    if form.records_base_identity:
         report.update(base_fingerprint=h.base_fingerprint.hex(),
                       base_id=None if h.base_id == fmt.NO_ID else h.base_id.hex(),
                       target_id=None if h.target_id == fmt.NO_ID else h.target_id.hex())
@@ -87,16 +89,6 @@ def _describe_map(path: str, around: int | None) -> dict:
                      "length": int(m.length[i]), "flags": _flag_names(int(m.flags[i]))}
                     for i in shown],
     }
-
-
-def human_size(n: int) -> str:
-    """A byte count in binary units, e.g. '4.0 KiB'."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError
 
 
 def _no_match(report: dict, what: str) -> list[str]:
