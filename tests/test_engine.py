@@ -610,3 +610,13 @@ def test_target_beyond_the_largest_file_is_refused(xfs):
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert "File too large" in proc.stderr and "67108864 bytes" in proc.stderr
     assert os.listdir(out) == []
+
+
+def test_a_format_without_base_digests_is_not_asked_for_one(tmp_path):
+    """Refused before anything is read or written, not made without the digest."""
+    target, base = tmp_path / "target.img", tmp_path / "base.img"
+    target.write_bytes(b"t" * BLOCK)
+    base.write_bytes(b"b" * BLOCK)
+    with pytest.raises(UsageError, match="v1 diff cannot record a digest"):
+        engine.create_diff(tmp_path / "d.bdiff", target, base, format="v1", base_digest=True)
+    assert not (tmp_path / "d.bdiff").exists()

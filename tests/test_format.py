@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from blockdiff import native
 from blockdiff.engine import formats as fmt
 from blockdiff.engine.extents import DATA, ZERO, RangeSet
-from blockdiff.errors import ChecksumMismatch, InvalidDiff
+from blockdiff.errors import ChecksumMismatch, InvalidDiff, UsageError
 
 BLOCK = 4096
 
@@ -259,3 +259,47 @@ def test_v1_table_is_bounded_by_the_file_before_it_is_read(tmp_path):
     with pytest.raises(InvalidDiff, match="ending at byte 1073741856, but the file has only "
                                           "4096 bytes"):
         _read(path)
+
+
+@settings(max_examples=150, deadline=None)
+@given(rs=range_sets(), form=st.sampled_from(fmt.FORMATS), with_base=st.booleans())
+def test_every_registered_format_reads_what_it_writes(tmp_path_factory, rs, form, with_base):
+    """Each version's layout, writer and reader agree, and its magic picks it."""
+    ranges, size = rs
+    table = form.range_table(ranges)
+    data_pos = form.layout_data(table)
+    data_length = form.data_region_length(table, data_pos)
+    header = fmt.DiffHeader(
+        version=form.version, target_size=size, base_size=777 if with_base else 0,
+        has_base=with_base, ranges=table, data_pos=data_pos,
+        crc=np.arange(len(table), dtype=np.uint32) if form.checksums_data else None,
+        data_offset=form.data_offset(len(table)), data_length=data_length,
+        target_id=b"\x33" * 16 if form.records_target_id else fmt.NO_ID)
+    head = form.encode(header)
+    assert len(head) == header.data_offset and head[:fmt.MAGIC_SIZE] == form.magic
+    path = tmp_path_factory.mktemp(form.name) / "d.bdiff"
+    with open(path, "wb") as f:
+        f.write(head)
+        f.truncate(header.data_offset + data_length)
+    got = _read(path)
+    assert fmt.of(got) is form and fmt.named(form.name) is form
+    assert (got.target_size, got.data_offset, got.data_length) == (size, header.data_offset,
+                                                                   data_length)
+    for a, b in ((got.ranges.offset, table.offset), (got.ranges.length, table.length),
+                 (got.ranges.kind, table.kind), (got.data_pos, data_pos)):
+        assert np.array_equal(a, b)
+    # Every changed byte is in the table, as data or as zeros.
+    assert table.bytes_of(DATA) + table.bytes_of(ZERO) == (ranges.bytes_of(DATA)
+                                                          + ranges.bytes_of(ZERO))
+    assert got.has_base == with_base or not form.records_has_base
+    # Without a base flag (v1), a diff of the target alone gives its own size as the base's.
+    assert got.base_size == (777 if with_base else 0 if form.records_has_base else size)
+    assert got.target_id == header.target_id
+    assert (got.crc is not None) == form.checksums_data
+    if form.checksums_data:
+        assert np.array_equal(got.crc, header.crc)
+
+
+def test_unknown_format_names_are_refused_with_the_known_ones():
+    with pytest.raises(UsageError, match="unknown diff format 'v9'; use one of v1, v2"):
+        fmt.named("v9")
