@@ -17,7 +17,7 @@ import pytest
 import filesystems
 import scenarios
 from blockdiff.engine.extents import PieceTable, RangeSet, overlay, pieces_within
-from blockdiff.errors import Unsupported
+from blockdiff.errors import Damaged, Unsupported
 from blockdiff.store.store import LINEAGE_XATTR, ImageBusy, Store, StoreError, UnknownSnapshot
 from scenarios import SCENARIOS, make_base_image
 
@@ -180,7 +180,7 @@ def test_tampered_map_is_detected(store, xfs):
     data[-5] ^= 0xFF
     os.chmod(path, 0o644)
     path.write_bytes(bytes(data))
-    with pytest.raises(StoreError, match="damaged"):
+    with pytest.raises(Damaged, match="damaged"):
         with Store(store.root) as other:     # as another process would
             other.restore(snap.id, xfs / "out.img")
     assert store.verify(snap.id)
@@ -691,5 +691,5 @@ def test_a_damaged_base_map_is_named(store, xfs):
         problems = other.verify()
         assert snaps[1].id in problems and snaps[2].id in problems
         assert snaps[0].id not in problems
-        with pytest.raises(StoreError, match=f"map of snapshot {snaps[1].id} is damaged"):
+        with pytest.raises(Damaged, match=f"map of snapshot {snaps[1].id} is damaged"):
             other.restore(snaps[2].id, xfs / "out.img")
