@@ -196,7 +196,7 @@ def copy_file(src: Path, dst: Path) -> None:
 
 def full_copy_pause(box: Sandbox, out: Path) -> float:
     """The VM paused for a full-copy snapshot, flushed and frozen like ours."""
-    with box.agent() as link, box.qmp() as q:
+    with box.machine.guest() as link, box.machine.qmp() as q:
         link.freeze()
         try:
             q.command("stop")

@@ -18,11 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from blockdiff.errors import GuestTimeout, UnknownVM
 from blockdiff.store.store import Store, UnknownSnapshot
 from blockdiff.vm import qemu
-from blockdiff.vm.guestlink import GuestTimeout
 from blockdiff.vm.image import build_image
-from blockdiff.vm.sandbox import Sandbox, UnknownVM
+from blockdiff.vm.machine import RUNTIME_FILES, Machine
+from blockdiff.vm.registry import Registry
+from blockdiff.vm.sandbox import Sandbox
 from scenarios import assert_same_bytes
 
 IMAGE_CACHE = Path(os.environ.get("BLOCKDIFF_TEST_VM_IMAGE",
@@ -103,7 +105,7 @@ def test_rebuild_gives_identical_files(vm_image, xfs):
     assert other.manifest["sha256"] == vm_image.manifest["sha256"]
 
 
-def test_initramfs_holds_agent_init_and_modules(vm_image):
+def test_initramfs_holds_guestd_init_and_modules(vm_image):
     import gzip
 
     data = gzip.decompress(vm_image.initrd.read_bytes())
@@ -119,7 +121,7 @@ def test_initramfs_holds_agent_init_and_modules(vm_image):
         offset += 110 + namesize
         offset += -offset % 4
         offset += size + (-size % 4)
-    assert {"init", "bin/busybox", "sbin/blockdiff-agent", "dev/console",
+    assert {"init", "bin/busybox", "sbin/blockdiff-guestd", "dev/console",
             "lib/modules/load-order"} <= set(names)
     assert {f"lib/modules/{m}" for m in vm_image.manifest["modules"]} <= set(names)
 
@@ -215,6 +217,24 @@ def test_forks_diverge_independently(store, box, xfs):
         right.destroy()
 
 
+def test_a_machine_is_shut_down_softly_at_the_end_of_its_block(store, vm_image):
+    """The QEMU process on its own, as a context manager: launched in the
+    block, powered off by the guest daemon at its end (the disk unmounted, so
+    its ext4 needs no recovery), its runtime files gone."""
+    Sandbox.create(store, "m", image=vm_image.rootfs)
+    vm = Registry(store).entry("m")
+    with Machine(vm) as machine:
+        machine.launch()
+        assert machine.running and machine.accel in ("kvm", "tcg")
+        with machine.guest() as link:
+            assert link.ping().startswith("blockdiff-guestd")
+    assert not machine.running
+    assert not [f for f in RUNTIME_FILES if (vm.directory / f).exists()]
+    header = subprocess.run(["dumpe2fs", "-h", str(vm.disk)], capture_output=True, text=True,
+                            check=True).stdout
+    assert "needs_recovery" not in header
+
+
 # ------------------------------------------------------------- crashes
 
 
@@ -245,19 +265,17 @@ def test_qemu_killed_mid_step_leaves_a_good_store(store, box, xfs):
 
 
 def test_a_guest_that_does_not_answer_times_out_clearly(store, box):
-    with box.qmp() as q:
-        q.command("stop")  # the guest no longer runs: its agent cannot answer
+    box.machine.pause()  # the guest no longer runs: its daemon cannot answer
     try:
         started = time.monotonic()
-        with box.agent() as link, pytest.raises(GuestTimeout, match="did not answer"):
+        with box.machine.guest() as link, pytest.raises(GuestTimeout, match="did not answer"):
             link.ping(timeout=1.0)
         assert time.monotonic() - started < 5
         box.guest_timeout = 1.0
         snapshot_id = box.checkpoint("mute guest")
         assert store.get(snapshot_id).meta["vm.flush"].startswith("none")
     finally:
-        with box.qmp() as q:
-            q.command("cont")
+        box.machine.resume()
     # The thaw queued behind the late freeze leaves the guest writable.
     result = box.exec("echo ok > /work-ok && cat /work-ok", timeout=30)
     assert result.stdout == b"ok\n"
@@ -267,10 +285,9 @@ def test_a_checkpoint_killed_midway_leaves_no_paused_or_frozen_vm(store, box):
     # What a checkpointing process leaves behind when it dies between the
     # freeze and the thaw: the guest frozen, the VM paused, the marker.
     (box.directory / "checkpointing").touch()
-    with box.agent() as link:
+    with box.machine.guest() as link:
         link.freeze(auto_thaw=600)
-    with box.qmp() as q:
-        q.command("stop")
+    box.machine.pause()
     result = box.exec("echo ok > /after && cat /after", timeout=30)
     assert result.stdout == b"ok\n"
     assert not (box.directory / "checkpointing").exists()
@@ -528,7 +545,7 @@ def test_dirty_tracking_snapshots_and_restores_exactly(store, box, xfs, monkeypa
         assert listing(box) == listings[k]
     # Old generations' bitmaps go: the current one and at most one that QEMU
     # had not let go of yet.
-    with box.qmp() as q:
+    with box.machine.qmp() as q:
         bitmaps = [b["name"] for n in q.command("query-named-block-nodes", flat=True)
                    for b in n.get("dirty-bitmaps", []) if n.get("node-name") == qemu.DISK_NODE]
     assert 1 <= len(bitmaps) <= 2, bitmaps
@@ -549,20 +566,20 @@ def test_dirty_tracking_snapshots_and_restores_exactly(store, box, xfs, monkeypa
 def test_a_checkpoint_dying_after_the_bitmap_swap_is_not_trusted(store, box, monkeypatch):
     """Writes after such a death are only in the new bitmap, which no record
     names: the next checkpoint must map the whole disk, not read the old one."""
-    from blockdiff.vm import sandbox as sandbox_module
+    from blockdiff.vm import machine as machine_module
 
     box.exec("echo a > /a")
     box.checkpoint("one")
     box.exec("echo b > /b")
     box.checkpoint("two")
     assert box.last_checkpoint.tracked
-    real = sandbox_module.replace_dirty_bitmap
+    real = machine_module.replace_dirty_bitmap
 
     def swaps_then_dies(q, bitmap):
         real(q, bitmap)
         raise KeyboardInterrupt("killed after the swap")
 
-    monkeypatch.setattr(sandbox_module, "replace_dirty_bitmap", swaps_then_dies)
+    monkeypatch.setattr(machine_module, "replace_dirty_bitmap", swaps_then_dies)
     box.exec("echo c > /c")
     with pytest.raises(KeyboardInterrupt):
         box.checkpoint("dies")

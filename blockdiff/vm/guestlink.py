@@ -1,4 +1,4 @@
-"""The host side of the guest agent's protocol (``guest/agent.c``).
+"""The host side of the guest daemon's protocol (``guest/guestd.c``).
 
 Frames in both directions: ``"BDA1" | u8 type | u8 0 | u16 0 | u32 id | u32 length``
 (little-endian), then ``length`` bytes of payload. A reply has the request's
@@ -7,7 +7,7 @@ other ids are stale answers to a client that gave up, and are skipped.
 
 Payloads:
 
-- PING → the agent's version string.
+- PING → the daemon's version string.
 - EXEC ``u32 timeout_ms | u32 argc | u32 stdin_len | u32 0 | argv\\0… | cwd\\0 | stdin``
   → ``i32 status | u32 flags | u32 stdout_len | u32 stderr_len | stdout | stderr``;
   status is the exit code, or 128 + signal; flags: 1 timed out, 2 output truncated.
@@ -65,8 +65,8 @@ def connect_unix(socket_path: str, dir_fd: int | None = None) -> socket.socket:
     return sock
 
 
-class AgentLink:
-    """One connection to a guest agent's virtio-serial socket.
+class GuestLink:
+    """One connection to the guest daemon's virtio-serial socket.
 
     ``socket_path`` is reached through ``dir_fd`` when given, so that long
     store paths do not hit the 108-byte limit of a unix socket address.
@@ -78,14 +78,14 @@ class AgentLink:
         try:
             self.sock = connect_unix(socket_path, dir_fd)
         except OSError as e:
-            raise GuestError(f"cannot reach the guest agent ({e.strerror}); "
+            raise GuestError(f"cannot reach the guest daemon ({e.strerror}); "
                              f"is the VM running? start it with: blockdiff vm start") from None
         self._pending = b""
 
     def close(self) -> None:
         self.sock.close()
 
-    def __enter__(self) -> "AgentLink":
+    def __enter__(self) -> "GuestLink":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -107,7 +107,7 @@ class AgentLink:
             except OSError:
                 chunk = b""
             if not chunk:
-                raise GuestError(f"the VM closed the agent channel during {what}; "
+                raise GuestError(f"the VM closed the guest daemon's channel during {what}; "
                                  f"did QEMU exit? (see its console.log)")
             self._pending += chunk
         out, self._pending = self._pending[:n], self._pending[n:]
@@ -119,14 +119,15 @@ class AgentLink:
         try:
             self.sock.sendall(HEADER.pack(MAGIC, kind, 0, 0, request_id, len(payload)) + payload)
         except TimeoutError:
-            raise GuestTimeout("the guest agent is not reading its channel; "
+            raise GuestTimeout("the guest daemon is not reading its channel; "
                                "it may be hung (see its console.log)") from None
         except OSError as e:
-            raise GuestError(f"the VM closed the agent channel ({e.strerror}); "
+            raise GuestError(f"the VM closed the guest daemon's channel ({e.strerror}); "
                              f"did QEMU exit? (see its console.log)") from None
         return request_id
 
     def request(self, kind: int, payload: bytes, timeout: float, what: str) -> bytes:
+        """Send a request and return its reply's payload; ``what`` names it in errors."""
         self.sock.settimeout(timeout)
         request_id = self.send(kind, payload)
         deadline = time.monotonic() + timeout
@@ -134,14 +135,15 @@ class AgentLink:
             magic, rtype, _, _, rid, length = HEADER.unpack(
                 self._recv_exact(HEADER.size, deadline, what))
             if magic != MAGIC:
-                raise GuestError(f"the guest agent sent a malformed frame during {what}")
+                raise GuestError(f"the guest daemon sent a malformed frame during {what}")
             body = self._recv_exact(length, deadline, what)
             if rid != request_id:
                 continue
             if rtype == ERROR:
-                raise GuestError(f"the guest agent refused {what}: {body.decode(errors='replace')}")
+                raise GuestError(f"the guest daemon refused {what}: "
+                                 f"{body.decode(errors='replace')}")
             if rtype != kind | REPLY:
-                raise GuestError(f"the guest agent answered {what} with frame type {rtype:#x}")
+                raise GuestError(f"the guest daemon answered {what} with frame type {rtype:#x}")
             return body
 
     def _status(self, kind: int, payload: bytes, timeout: float, what: str) -> None:
@@ -153,6 +155,7 @@ class AgentLink:
     # ----------------------------------------------------------- requests
 
     def ping(self, timeout: float = 5.0) -> str:
+        """The guest daemon's version, once it answers."""
         return self.request(PING, b"", timeout, "a ping").decode(errors="replace")
 
     def exec(self, argv: list[str], *, timeout: float | None = None, stdin: bytes = b"",
@@ -178,12 +181,15 @@ class AgentLink:
                      "freezing the disk")
 
     def thaw(self, timeout: float = 30.0) -> None:
+        """Thaw the guest's disk filesystem."""
         self._status(THAW, b"", timeout, "thawing the disk")
 
     def sync(self, timeout: float = 60.0) -> None:
+        """Have the guest write its dirty page cache of the disk out (``syncfs``)."""
         self._status(SYNC, b"", timeout, "syncing the disk")
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Have the guest end its processes, unmount the disk and power off."""
         self._status(SHUTDOWN, b"", timeout, "the shutdown")
 
     def detach(self, timeout: float = 30.0) -> None:

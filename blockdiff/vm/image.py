@@ -5,9 +5,10 @@ Output, in one directory:
 - ``vmlinuz``: a Debian kernel (by default ``linux-image-cloud-amd64``),
   fetched with ``apt-get download`` and unpacked with ``dpkg-deb``;
 - ``initrd.img``: a gzip'd cpio archive written here byte for byte (no root,
-  no mounts): static busybox, the blockdiff guest agent compiled statically
-  from ``guest/agent.c``, the virtio modules the kernel lacks in dependency
-  order, and ``guest/init``, which mounts the sandbox disk and starts the agent;
+  no mounts): static busybox, the blockdiff guest daemon compiled statically
+  from ``guest/guestd.c``, the virtio modules the kernel lacks in dependency
+  order, and ``guest/init``, which mounts the sandbox disk and starts the
+  guest daemon;
 - ``rootfs.img``: a sparse raw ext4 disk made with ``mkfs.ext4 -d`` from a
   busybox tree: a sandbox disk to start from;
 - ``manifest.json``: what went in, with a key over every input. A build whose
@@ -42,7 +43,7 @@ DEFAULT_KERNEL_PACKAGE = "linux-image-cloud-amd64"
 BUSYBOX_PACKAGE = "busybox-static"
 DEFAULT_DISK_SIZE = 1 << 30
 # What the guest needs beyond a cloud kernel's built-ins: the PCI transport,
-# the disk and the agent's virtio-serial port.
+# the disk and the guest daemon's virtio-serial port.
 GUEST_MODULES = ("virtio_pci", "virtio_blk", "virtio_console")
 FILES = ("vmlinuz", "initrd.img", "rootfs.img")
 # Fixed so that two builds of the same inputs give the same disk.
@@ -205,7 +206,9 @@ class Cpio:
         return self.out.getvalue()
 
 
-def make_initramfs(busybox: Path, agent: Path, modules: list[Path]) -> bytes:
+def make_initramfs(busybox: Path, guestd: Path, modules: list[Path]) -> bytes:
+    """The gzip'd initramfs: busybox, ``init``, the guest daemon and the modules
+    with their load order."""
     cpio = Cpio()
     for d in ("bin", "sbin", "dev", "proc", "sys", "mnt", "lib", "lib/modules"):
         cpio.directory(d)
@@ -214,7 +217,7 @@ def make_initramfs(busybox: Path, agent: Path, modules: list[Path]) -> bytes:
     cpio.char_device("dev/console", 5, 1)
     cpio.file("bin/busybox", busybox.read_bytes())
     cpio.file("init", (GUEST_DIR / "init").read_bytes())
-    cpio.file("sbin/blockdiff-agent", agent.read_bytes())
+    cpio.file("sbin/blockdiff-guestd", guestd.read_bytes())
     for ko in modules:
         cpio.file(f"lib/modules/{ko.name}", ko.read_bytes(), 0o644)
     cpio.file("lib/modules/load-order", "".join(f"{ko.name}\n" for ko in modules).encode(), 0o644)
@@ -225,9 +228,10 @@ def make_initramfs(busybox: Path, agent: Path, modules: list[Path]) -> bytes:
     return buf.getvalue()
 
 
-def compile_agent(out: Path) -> None:
-    _run(["gcc", "-static", "-Os", "-Wall", "-o", str(out), str(GUEST_DIR / "agent.c")],
-         "compiling the guest agent (needs gcc and libc6-dev for static linking)")
+def compile_guestd(out: Path) -> None:
+    """The guest daemon, linked statically: the initramfs has no libc."""
+    _run(["gcc", "-static", "-Os", "-Wall", "-o", str(out), str(GUEST_DIR / "guestd.c")],
+         "compiling the guest daemon (needs gcc and libc6-dev for static linking)")
 
 
 # -------------------------------------------------------------- rootfs
@@ -291,7 +295,7 @@ class BuiltImage:
 def _inputs_key(kernel: Package, busybox: Package, disk_size: int,
                 modules: list[Path] | None) -> str:
     h = hashlib.sha256(f"builder {BUILDER_VERSION}\n".encode())
-    for part in (GUEST_DIR / "agent.c", GUEST_DIR / "init"):
+    for part in (GUEST_DIR / "guestd.c", GUEST_DIR / "init"):
         h.update(part.read_bytes())
     h.update(json.dumps([kernel.__dict__, busybox.__dict__, disk_size, GUEST_MODULES]).encode())
     for ko in modules or ():  # a kernel of your own: its modules are inputs too
@@ -359,9 +363,9 @@ def build_image(directory: str | os.PathLike, *, kernel_package: str = DEFAULT_K
             release = Path(modules).name if modules is not None else "custom"
         _run(["dpkg-deb", "-x", str(busybox_deb), str(work / "busybox")], "unpacking busybox")
         busybox = work / "busybox/bin/busybox"
-        agent = work / "blockdiff-agent"
-        compile_agent(agent)
-        (work / "initrd.img").write_bytes(make_initramfs(busybox, agent, guest_modules))
+        guestd = work / "blockdiff-guestd"
+        compile_guestd(guestd)
+        (work / "initrd.img").write_bytes(make_initramfs(busybox, guestd, guest_modules))
         shutil.copyfile(kernel_file, work / "vmlinuz")
         make_rootfs(busybox, work / "rootfs.img", disk_size, work)
         manifest = {

@@ -1,14 +1,14 @@
-"""QEMU for sandboxes: the command line, QMP control, and the KVM probe.
+"""QEMU for sandboxes: the command line, a QMP client, and the KVM probe.
 
 QEMU runs daemonized (``-daemonize``): a sandbox outlives the process that
 started it. Its sockets live in the VM's directory under the store and are
 reached through ``/proc/self/fd/N/NAME``, so deep store paths never hit the
-108-byte limit of a unix socket address.
+108-byte limit of a unix socket address. What blockdiff asks of QEMU over
+QMP (pausing, dirty bitmaps) is in :class:`blockdiff.vm.machine.Machine`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
@@ -22,16 +22,21 @@ from pathlib import Path
 
 from blockdiff.errors import VMError
 from blockdiff.vm.guestlink import connect_unix
-from blockdiff.vm.nbd import dirty_ranges
 
 QEMU = "qemu-system-x86_64"
-AGENT_PORT = "org.blockdiff.agent"
+GUEST_PORT = "org.blockdiff.guestd"   # the guest daemon's virtio-serial port
+# In the VM's directory, where QEMU runs.
+QMP_SOCKET = "qmp.sock"
+GUEST_SOCKET = "guestd.sock"
+PID_FILE = "qemu.pid"
+CONSOLE_LOG = "console.log"   # the guest's serial console
 DISK_NODE = "disk0-raw"   # the disk's block node, where its dirty bitmap lives
 ACCEL_ENV = "BLOCKDIFF_VM_ACCEL"
 PROBE_TIMEOUT = 10.0
 
 
 def find_qemu() -> str:
+    """The QEMU binary's path; VMError saying how to install it if there is none."""
     path = shutil.which(QEMU)
     if path is None:
         raise VMError(f"{QEMU} is not installed; install it (Debian: apt-get install "
@@ -53,6 +58,7 @@ class Launch:
     accel: str = "tcg"
 
     def argv(self, qemu: str) -> list[str]:
+        """The command line, for the binary ``qemu``."""
         # Relative socket and log paths: QEMU starts in the VM's directory.
         return [
             qemu, "-name", f"blockdiff-{self.name}",
@@ -63,22 +69,24 @@ class Launch:
             "-kernel", str(self.kernel), "-initrd", str(self.initrd),
             "-append", "console=ttyS0 panic=-1 quiet",
             "-no-reboot",
-            "-serial", "file:console.log",
+            "-serial", f"file:{CONSOLE_LOG}",
             # writeback: the guest's flushes become fdatasync on the image, and
             # QMP stop drains every write before a snapshot.
             "-drive", f"file={self.disk},format=raw,if=none,id=disk0,node-name={DISK_NODE},"
                       f"cache=writeback,discard=unmap,detect-zeroes=unmap",
             "-device", "virtio-blk-pci,drive=disk0",
             "-device", "virtio-serial-pci",
-            "-chardev", "socket,id=agent,path=agent.sock,server=on,wait=off",
-            "-device", f"virtserialport,chardev=agent,name={AGENT_PORT}",
-            "-qmp", "unix:qmp.sock,server=on,wait=off",
-            "-daemonize", "-pidfile", "qemu.pid",
+            "-chardev", f"socket,id=guestd,path={GUEST_SOCKET},server=on,wait=off",
+            "-device", f"virtserialport,chardev=guestd,name={GUEST_PORT}",
+            "-qmp", f"unix:{QMP_SOCKET},server=on,wait=off",
+            "-daemonize", "-pidfile", PID_FILE,
         ]
 
     def start(self) -> None:
+        """Start QEMU, daemonized, in the VM's directory (stale sockets and pid file
+        removed first); returns once it forked into the background."""
         qemu = find_qemu()
-        for stale in ("qmp.sock", "agent.sock", "qemu.pid"):
+        for stale in (QMP_SOCKET, GUEST_SOCKET, PID_FILE):
             (self.directory / stale).unlink(missing_ok=True)
         done = subprocess.run(self.argv(qemu), cwd=self.directory, capture_output=True, text=True,
                               stdin=subprocess.DEVNULL)
@@ -130,6 +138,7 @@ class QMP:
         self._reply("getfd")
 
     def command(self, name: str, /, **arguments) -> dict:
+        """Run one command; returns what QEMU returned (VMError if it refused)."""
         # Positional-only: QMP arguments may themselves be called "name".
         message = {"execute": name} | ({"arguments": arguments} if arguments else {})
         self.sock.sendall(json.dumps(message).encode() + b"\n")
@@ -143,77 +152,6 @@ class QMP:
             if "error" in reply:
                 raise VMError(f"QEMU refused {name}: {reply['error'].get('desc', reply)}")
             return reply.get("return", {})
-
-
-# ------------------------------------------------------ dirty tracking
-#
-# QEMU marks every block the guest writes or discards in a dirty bitmap. While
-# the VM is paused for a snapshot, a new bitmap takes over and the old one,
-# now frozen, is read through QEMU's NBD server (block status of the context
-# "qemu:dirty-bitmap:NAME") on a unix socket in the VM's directory, which
-# blockdiff binds and hands to QEMU: no path limit applies, and only users who
-# can enter the directory reach it.
-
-NBD_SOCKET = "nbd.sock"
-
-
-def _bitmap_name() -> str:
-    return f"blockdiff-{os.urandom(6).hex()}"
-
-
-def start_dirty_tracking(q: QMP, dir_fd: int) -> str:
-    """Start the NBD server and a dirty bitmap of 4 KiB granularity; returns
-    the bitmap's name."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(NBD_SOCKET, dir_fd=dir_fd)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        listener.bind(f"/proc/self/fd/{dir_fd}/{NBD_SOCKET}")
-        listener.listen(4)
-        q.pass_fd("nbd", listener.fileno())
-    finally:
-        listener.close()
-    q.command("nbd-server-start", addr={"type": "fd", "data": {"str": "nbd"}})
-    bitmap = _bitmap_name()
-    q.command("block-dirty-bitmap-add", node=DISK_NODE, name=bitmap, granularity=4096)
-    return bitmap
-
-
-def replace_dirty_bitmap(q: QMP, bitmap: str) -> str:
-    """Atomically start a new bitmap and freeze ``bitmap``; returns the new
-    one's name. With the VM paused, the old one then says what was written
-    up to now and the new one what is written from now on."""
-    new = _bitmap_name()
-    q.command("transaction", actions=[
-        {"type": "block-dirty-bitmap-add",
-         "data": {"node": DISK_NODE, "name": new, "granularity": 4096}},
-        {"type": "block-dirty-bitmap-disable", "data": {"node": DISK_NODE, "name": bitmap}}])
-    return new
-
-
-def read_dirty_bitmap(q: QMP, dir_fd: int, bitmap: str, *, timeout: float = 10.0):
-    """``(offsets, lengths)`` of the blocks a frozen bitmap marks, read over a
-    read-only NBD export made for the purpose (and left for
-    ``drop_dirty_bitmaps``, which need not run while the VM is paused)."""
-    q.command("block-export-add", type="nbd", id=bitmap, name=bitmap, writable=False,
-              bitmaps=[bitmap], **{"node-name": DISK_NODE})
-    return dirty_ranges(connect_unix(NBD_SOCKET, dir_fd), bitmap, bitmap, timeout=timeout)
-
-
-def drop_dirty_bitmaps(q: QMP, keep: str) -> None:
-    """Remove blockdiff's bitmaps other than ``keep``, and their exports. QEMU
-    lets go of an export in the background, so a bitmap that is still
-    exported stays until the next call."""
-    for node in q.command("query-named-block-nodes", flat=True):
-        if node.get("node-name") != DISK_NODE:
-            continue
-        for bitmap in node.get("dirty-bitmaps", []):
-            name = bitmap.get("name", "")
-            if name.startswith("blockdiff-") and name != keep:
-                with contextlib.suppress(VMError):
-                    q.command("block-export-del", id=name, mode="hard")
-                with contextlib.suppress(VMError):
-                    q.command("block-dirty-bitmap-remove", node=DISK_NODE, name=name)
 
 
 # ------------------------------------------------------------ KVM probe

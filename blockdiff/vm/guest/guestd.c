@@ -1,20 +1,20 @@
 /*
- * blockdiff-agent: the command channel inside a sandbox VM.
+ * blockdiff-guestd: the guest daemon, the command channel inside a sandbox VM.
  *
  * Runs as PID 1 of the guest's initramfs. The sandbox disk is mounted at a
  * root directory (default /mnt/root) and every command runs chrooted into it,
  * so any raw disk image with a filesystem the kernel knows can be a sandbox
  * disk without anything installed on it.
  *
- * The host talks to it over a virtio-serial port named org.blockdiff.agent.
+ * The host talks to it over a virtio-serial port named org.blockdiff.guestd.
  * Both directions use the same frame: a 16-byte header
  *     "BDA1" | u8 type | u8 0 | u16 0 | u32 request id | u32 payload length
  * (little-endian) followed by the payload. Replies carry the request's id and
  * its type with the high bit set; the host discards replies to ids it no
  * longer waits for, so a host that timed out and reconnected is never
- * confused by an old answer. The byte layouts are in blockdiff/agentlink.py.
+ * confused by an old answer. The byte layouts are in blockdiff/vm/guestlink.py.
  *
- * One request at a time: the agent is single-threaded and the host holds a
+ * One request at a time: the daemon is single-threaded and the host holds a
  * per-VM lock, which keeps the protocol free of interleaving.
  */
 #define _GNU_SOURCE
@@ -37,8 +37,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#define AGENT_VERSION "blockdiff-agent 1"
-#define PORT_NAME "org.blockdiff.agent"
+#define GUESTD_VERSION "blockdiff-guestd 1"
+#define PORT_NAME "org.blockdiff.guestd"
 #define MAX_PAYLOAD (64u << 20)
 #define MAX_OUTPUT (16u << 20)
 
@@ -67,7 +67,7 @@ static void logmsg(const char *fmt, const char *arg)
 {
     /* The console (ttyS0) goes to console.log on the host: boot problems are
      * diagnosed from there. */
-    fprintf(stderr, "blockdiff-agent: ");
+    fprintf(stderr, "blockdiff-guestd: ");
     fprintf(stderr, fmt, arg);
     fputc('\n', stderr);
 }
@@ -286,11 +286,11 @@ static void child(char **argv, const char *cwd, int in, int out, int err)
     setenv("USER", "root", 1);
     setenv("LOGNAME", "root", 1);
     if (chroot(root) < 0 || chdir(cwd[0] ? cwd : "/") < 0) {
-        dprintf(2, "blockdiff-agent: cannot enter %s (%s): %s\n", root, cwd, strerror(errno));
+        dprintf(2, "blockdiff-guestd: cannot enter %s (%s): %s\n", root, cwd, strerror(errno));
         _exit(126);
     }
     execvp(argv[0], argv);
-    dprintf(2, "blockdiff-agent: %s: %s\n", argv[0], strerror(errno));
+    dprintf(2, "blockdiff-guestd: %s: %s\n", argv[0], strerror(errno));
     _exit(errno == ENOENT ? 127 : 126);
 }
 
@@ -568,7 +568,7 @@ int main(int argc, char **argv)
         }
         switch (type) {
         case T_PING:
-            send_frame(T_PING | T_REPLY, id, AGENT_VERSION, strlen(AGENT_VERSION), NULL, 0,
+            send_frame(T_PING | T_REPLY, id, GUESTD_VERSION, strlen(GUESTD_VERSION), NULL, 0,
                        NULL, 0);
             break;
         case T_EXEC:
