@@ -229,3 +229,21 @@ class DatabaseError(BlockdiffError):
 class SchemaTooNew(DatabaseError):
     """A database written by a newer blockdiff, with a schema this one does
     not know."""
+
+
+# 14: the object store (S3) shared by several hosts
+
+
+class RemoteError(BlockdiffError):
+    """The object store refused or failed a request: it cannot be reached,
+    it refused the credentials, the bucket is missing, a transfer broke off."""
+
+    exit_code = 14
+
+
+class NoSuchObject(RemoteError):
+    """No object under the key asked for: it was never uploaded, or was deleted."""
+
+
+class ObjectExists(RemoteError):
+    """An upload to a key that already holds other content: objects never change."""
