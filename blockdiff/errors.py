@@ -231,6 +231,11 @@ class SchemaTooNew(DatabaseError):
     not know."""
 
 
+class ConstraintFailed(DatabaseError):
+    """A change the database refused because it breaks a rule of its schema:
+    a row it refers to is gone, a key that must be unique is taken."""
+
+
 # 14: the object store (S3) shared by several hosts
 
 

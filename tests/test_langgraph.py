@@ -42,7 +42,7 @@ from blockdiff.agent.langgraph import (
     UnknownSaverCheckpoint,
     UnknownStrategy,
 )
-from blockdiff.errors import BlockdiffError
+from blockdiff.errors import BlockdiffError, SchemaTooNew
 from blockdiff.store.store import Store, StoreError
 
 BLOCK = 4096
@@ -739,10 +739,12 @@ def test_store_path_and_schema(rig, xfs):
     try:
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert db.execute("PRAGMA user_version").fetchone()[0] == 2
+        assert db.execute("SELECT version FROM schema_versions "
+                          "WHERE name = 'langgraph'").fetchone()[0] == 2
         db.execute("PRAGMA user_version = 99")
     finally:
         db.close()
-    with pytest.raises(SaverError, match="newer"):
+    with pytest.raises(SchemaTooNew, match="newer"):
         BlockdiffSaver(rig.store)
     with pytest.raises(StoreError, match="not a blockdiff store"):
         BlockdiffSaver(xfs / "elsewhere")
@@ -1053,6 +1055,7 @@ def test_delete_for_runs_reads_the_run_of_checkpoints_saved_without_one(rig):
     db = sqlite3.connect(rig.store.root / DB_NAME)
     try:       # the database as the first schema had it
         db.execute("DROP TABLE checkpoint_runs")
+        db.execute("DROP TABLE schema_versions")
         db.execute("PRAGMA user_version = 1")
         db.commit()
     finally:

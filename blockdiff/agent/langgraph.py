@@ -63,7 +63,6 @@ import functools
 import json
 import os
 import random
-import sqlite3
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -83,8 +82,9 @@ from langgraph.checkpoint.base import (
     get_checkpoint_metadata,
 )
 
-from blockdiff.agent.sealing import create_private
+from blockdiff.db import Migrations, connect, migrate, schema_version
 from blockdiff.errors import (
+    DatabaseError,
     DiskWaitTimeout,
     MissingConfigKey,
     NoDiskSnapshot,
@@ -115,8 +115,8 @@ _CHECKPOINT_COLUMNS = ("thread_id, checkpoint_ns, checkpoint_id, parent_checkpoi
                        "created")
 _TABLES = ("checkpoints", "checkpoint_runs", "blobs", "writes")
 
-# Index i holds the script that takes the database from version i to i + 1
-# (PRAGMA user_version). Append; never edit an applied one.
+# Index i holds the script that takes the database from version i to i + 1.
+# Append; never edit an applied one.
 MIGRATIONS = [
     """
     CREATE TABLE checkpoints (
@@ -173,6 +173,8 @@ MIGRATIONS = [
     """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
+# Databases made before the db layer count their migrations in PRAGMA user_version.
+SCHEMA = Migrations("langgraph", MIGRATIONS, legacy="user_version")
 
 
 def _configurable(config: RunnableConfig | None) -> dict:
@@ -225,16 +227,13 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
                 mode = getattr(opened, "file_mode", 0o600)
         self.disk = disk
         self.path = self.root / DB_NAME
-        create_private(self.path, mode)
-        # One connection shared by LangGraph's worker threads, used under a lock:
-        # a connection per thread would outlive pool threads and hold the file open.
-        self._lock = threading.RLock()
-        self._db = sqlite3.connect(self.path, timeout=60, isolation_level=None,
-                                   check_same_thread=False)
+        # One connection shared by LangGraph's worker threads, used under its
+        # lock: a connection per thread would outlive pool threads and hold
+        # the file open.
+        self._db = connect(self.path, mode=mode)
+        self._lock = self._db.lock
         try:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")
-            self._migrate()
+            migrate(self._db, SCHEMA)
         except BaseException:
             self._db.close()
             raise
@@ -250,8 +249,7 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
     # ------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self._db.close()
 
     def __enter__(self) -> BlockdiffSaver:
         return self
@@ -261,44 +259,9 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
 
     @property
     def schema_version(self) -> int:
+        """How many of the saver's migrations the database has."""
         with self._lock:
-            return self._db.execute("PRAGMA user_version").fetchone()[0]
-
-    @contextlib.contextmanager
-    def _write(self):
-        """One atomic change; BEGIN IMMEDIATE so that writers in other processes
-        queue on the database lock instead of failing at COMMIT."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
-
-    @contextlib.contextmanager
-    def _read(self):
-        """Several reads that see one state of the database, whatever other
-        processes commit meanwhile."""
-        with self._lock:
-            self._db.execute("BEGIN")
-            try:
-                yield self._db
-            finally:
-                self._db.execute("COMMIT")
-
-    def _migrate(self) -> None:
-        with self._write() as db:
-            (version,) = db.execute("PRAGMA user_version").fetchone()
-            if version > SCHEMA_VERSION:
-                raise SaverError(f"{self.path} has schema version {version}, newer than this "
-                                 f"blockdiff knows ({SCHEMA_VERSION}); upgrade blockdiff")
-            for number, script in enumerate(MIGRATIONS[version:], version + 1):
-                for statement in script.split(";"):
-                    if statement.strip():
-                        db.execute(statement)
-                db.execute(f"PRAGMA user_version = {number}")
+            return schema_version(self._db, SCHEMA)
 
     # -------------------------------------------------------------- reading
 
@@ -307,7 +270,7 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
         thread_id = _thread_id(config)
         checkpoint_ns = _configurable(config).get("checkpoint_ns", "")
         checkpoint_id = get_checkpoint_id(config)
-        with self._read() as db:
+        with self._db.reading() as db:
             if checkpoint_id:
                 row = db.execute(
                     "SELECT checkpoint_id FROM checkpoints WHERE thread_id = ? "
@@ -400,7 +363,7 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
                     found = self.serde.loads_typed((metadata_type, metadata))
                     if not all(found.get(key) == value for key, value in filter.items()):
                         continue
-                with self._read() as db:
+                with self._db.reading() as db:
                     item = self._load(db, thread_id, checkpoint_ns, checkpoint_id)
                 if item is None:      # deleted since the page was read
                     continue
@@ -447,7 +410,7 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
                         skip_unchanged=True)
                     meta[DISK_SNAPSHOT_KEY] = snapshot
                 metadata_type, metadata_blob = self.serde.dumps_typed(meta)
-                with self._write() as db:
+                with self._db.transaction() as db:
                     # An unchanged disk reuses its last snapshot, which a prune
                     # may have removed since (it removes under this lock): then
                     # the disk is snapshotted again.
@@ -494,7 +457,7 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
         for idx, (channel, value) in enumerate(writes):
             value_type, blob = self.serde.dumps_typed(value)
             rows.append((WRITES_IDX_MAP.get(channel, idx), channel, value_type, blob))
-        with self._write() as db:
+        with self._db.transaction() as db:
             for idx, channel, value_type, blob in rows:
                 # A task's ordinary writes are final once saved (a retry must
                 # not change them); its special writes (error, interrupt,
@@ -506,7 +469,7 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
 
     def delete_thread(self, thread_id: str) -> None:
         """Delete a thread's checkpoints and writes (its disk snapshots stay)."""
-        with self._write() as db:
+        with self._db.transaction() as db:
             for table in _TABLES:
                 db.execute(f"DELETE FROM {table} WHERE thread_id = ?", (str(thread_id),))
 
@@ -517,7 +480,7 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
         threads name the same snapshots. The target must have no checkpoint
         (``ThreadNotEmpty``); a source without any copies nothing."""
         source, target = str(source_thread_id), str(target_thread_id)
-        with self._write() as db:
+        with self._db.transaction() as db:
             if db.execute("SELECT 1 FROM checkpoints WHERE thread_id = ? LIMIT 1",
                           (target,)).fetchone():
                 raise ThreadNotEmpty(
@@ -668,24 +631,21 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
         under the database lock, so that a put that reused one (an unchanged
         disk) sees it gone and snapshots the disk again. Once a snapshot may
         have gone, the deletion commits whatever happens next."""
-        with self._lock:
-            db = self._db
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                doomed = select(db)
-                keys = [row[:3] for row in doomed]
-                for table in ("checkpoints", "checkpoint_runs", "writes"):
-                    db.executemany(f"DELETE FROM {table} WHERE thread_id = ? "
-                                   "AND checkpoint_ns = ? AND checkpoint_id = ?", keys)
-                for thread_id, checkpoint_ns in sorted({row[:2] for row in doomed}):
-                    self._drop_unused_blobs(db, thread_id, checkpoint_ns)
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
+        failure = None
+        with self._db.transaction() as db:
+            doomed = select(db)
+            keys = [row[:3] for row in doomed]
+            for table in ("checkpoints", "checkpoint_runs", "writes"):
+                db.executemany(f"DELETE FROM {table} WHERE thread_id = ? "
+                               "AND checkpoint_ns = ? AND checkpoint_id = ?", keys)
+            for thread_id, checkpoint_ns in sorted({row[:2] for row in doomed}):
+                self._drop_unused_blobs(db, thread_id, checkpoint_ns)
             try:
                 errors = self._release(db, {row[3] for row in doomed if row[3]})
-            finally:
-                db.execute("COMMIT")
+            except BaseException as e:     # raised once the deletion is committed
+                failure = e
+        if failure is not None:
+            raise failure
         if errors:
             listed = "; ".join(f"{sid}: {e}" for sid, e in sorted(errors.items()))
             raise SnapshotsNotRemoved(
@@ -744,8 +704,8 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
         if not snapshots or not path.exists():
             return set()
         try:
-            agent_db = sqlite3.connect(path.as_uri() + "?mode=ro", uri=True, timeout=60)
-        except sqlite3.Error:
+            agent_db = connect(path, readonly=True)
+        except (DatabaseError, OSError):
             return set(snapshots)
         try:
             found = set()
@@ -754,7 +714,7 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
                     "SELECT DISTINCT disk_snapshot FROM checkpoints "
                     f"WHERE disk_snapshot IN ({_marks(chunk)})", chunk)}
             return found
-        except sqlite3.Error:
+        except (DatabaseError, OSError):
             return set(snapshots)
         finally:
             agent_db.close()

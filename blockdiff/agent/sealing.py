@@ -26,6 +26,9 @@ import json
 import os
 from collections.abc import Callable, Iterable
 
+# create_private lives in the db layer; AgentDB imports it from here until
+# it opens its database with blockdiff.db.connect.
+from blockdiff.db import create_private as create_private
 from blockdiff.errors import SealingError
 
 KEY_ENV = "BLOCKDIFF_AGENT_KEY"
@@ -36,18 +39,6 @@ PLAIN, SEALED = b"J", b"E1"
 # state before redaction, as blockdiff wrote before) is rehashed when read.
 KEYED_HASH, PLAIN_HASH = "hmac-sha256:", "sha256:"
 _HASH_KEY_LABEL = b"blockdiff agent checkpoint content hash v1"
-
-
-def create_private(path: str | os.PathLike, mode: int = 0o600) -> None:
-    """Make an empty ``path`` with ``mode`` (less the umask) unless it exists.
-    SQLite makes a new database 0644 and gives its -wal and -shm files the
-    database's own mode, so a database file made here first stays private,
-    and all that goes with it. An existing file keeps its mode."""
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, mode)
-    except FileExistsError:
-        return
-    os.close(fd)
 
 
 def parse_key(text: str | bytes) -> bytes:

@@ -1,21 +1,23 @@
-"""The snapshot store's catalog: SQLite in WAL mode, with schema migrations.
+"""The snapshot store's catalog, a database of the :mod:`blockdiff.db` layer
+(SQLite in WAL mode, foreign keys enforced), with schema migrations.
 
 Every change is one transaction (``BEGIN IMMEDIATE``, so concurrent writers
 queue on SQLite's lock instead of failing half-way). The schema version is
-the highest applied migration; opening a store applies the missing ones and
-refuses a catalog that is empty, damaged, or from a newer blockdiff.
+the number of the catalog's migrations applied; opening a store applies the
+missing ones and refuses a catalog that is empty, damaged
+(``DatabaseDamaged``), or from a newer blockdiff (``SchemaTooNew``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
-import os
-import sqlite3
-import threading
 import time
 from dataclasses import dataclass, field
+
+from blockdiff.db import Database, Migrations, connect, damaged, migrate, schema_version
+from blockdiff.db.sqlite import immediate_transaction as immediate_transaction  # AgentDB's
+from blockdiff.errors import ConstraintFailed, DatabaseError
 
 MIGRATIONS = [
     # 1: the snapshot tree.
@@ -70,6 +72,10 @@ MIGRATIONS = [
     CREATE TABLE retired_ids (id TEXT PRIMARY KEY, removed REAL NOT NULL);
     """,
 ]
+# Catalogs made before the db layer count their migrations in schema_migrations.
+SCHEMA = Migrations("catalog", MIGRATIONS, legacy="schema_migrations")
+# What a catalog has from its first version on.
+_TABLES = frozenset({"store", "snapshots", "layer_refs"})
 
 
 # Ids may be given by a unique prefix of at least this many hex digits; an
@@ -88,10 +94,11 @@ def id_prefix(value) -> str | None:
     return value if set(value) <= _HEX else None
 
 
-def prefix_matches(db: sqlite3.Connection, table: str, prefix: str,
+def prefix_matches(db: Database, table: str, prefix: str,
                    limit: int = PREFIX_LIST) -> tuple[list[str], int]:
     """The first ``limit`` ids of ``table`` starting with ``prefix`` (already
-    checked to be hex digits, so LIKE sees no wildcard) and their number."""
+    checked to be hex digits, so LIKE sees no wildcard) and their number.
+    ``db`` may be a bare sqlite3 connection too (AgentDB's, for now)."""
     rows = db.execute(f"SELECT id, COUNT(*) OVER () FROM {table} WHERE id LIKE ? || '%' "
                       f"ORDER BY id LIMIT ?", (prefix, limit)).fetchall()
     return [row[0] for row in rows], rows[0][1] if rows else 0
@@ -101,30 +108,6 @@ def candidates(ids: list[str], total: int) -> str:
     """The ids an ambiguous prefix matches, as a phrase: 'a, b and 3 more'."""
     more = total - len(ids)
     return ", ".join(ids) + (f" and {more} more" if more > 0 else "")
-
-
-class CatalogDamaged(Exception):
-    """The catalog file is not a usable store catalog (raised with the reason)."""
-
-
-class CatalogTooNew(Exception):
-    """The catalog was written by a newer blockdiff (raised with its version)."""
-
-
-@contextlib.contextmanager
-def immediate_transaction(db: sqlite3.Connection):
-    """BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on error: writers queue on
-    SQLite's lock at the start instead of failing half-way."""
-    db.execute("BEGIN IMMEDIATE")
-    try:
-        yield db
-        db.execute("COMMIT")
-    except BaseException:
-        # Also after a failed COMMIT (a full disk), which can leave the
-        # transaction open.
-        if db.in_transaction:
-            db.execute("ROLLBACK")
-        raise
 
 
 @dataclass
@@ -175,68 +158,33 @@ class Catalog:
 
     def __init__(self, path: str, *, create: bool = False, mode: int = 0o600):
         """Open a catalog; ``create`` makes a new one (with file ``mode``),
-        otherwise the file must hold a catalog already (``CatalogDamaged``)."""
-        if create:
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode))
-        elif os.stat(path).st_size == 0:
-            # SQLite takes an empty file for an empty database: a truncated
-            # catalog would pass for a store without snapshots.
-            raise CatalogDamaged("the file is empty")
-        # Usable from any thread (a LangGraph checkpointer commits from its
-        # workers); the lock keeps one thread's transaction whole.
-        self.db = sqlite3.connect(path, timeout=60, isolation_level=None,
-                                  check_same_thread=False)
-        self._lock = threading.RLock()
+        otherwise the file must hold a catalog already (``DatabaseDamaged``).
+        Usable from any thread (a LangGraph checkpointer commits from its
+        workers)."""
+        self.db = connect(path, create="new" if create else "never", mode=mode,
+                          foreign_keys=True)
         try:
-            try:
-                self.db.execute("PRAGMA journal_mode=WAL")
-                self.db.execute("PRAGMA synchronous=FULL")
-                self.db.execute("PRAGMA foreign_keys=ON")
-                if not create:
-                    tables = {name for (name,) in self.db.execute(
-                        "SELECT name FROM sqlite_master WHERE type = 'table'")}
-                    missing = {"schema_migrations", "store", "snapshots", "layer_refs"} - tables
-                    if missing:
-                        raise CatalogDamaged(f"it has no {', '.join(sorted(missing))} table")
-                    if self.schema_version > len(MIGRATIONS):
-                        raise CatalogTooNew(self.schema_version)
-                self._migrate()
-            except sqlite3.DatabaseError as e:
-                if _out_of_space(path):
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path) from None
-                if isinstance(e, sqlite3.OperationalError) and "locked" in str(e):
-                    raise
-                raise CatalogDamaged(str(e)) from None
+            if not create:
+                missing = _TABLES - self.db.tables()
+                if missing:
+                    raise damaged(path, f"it has no {', '.join(sorted(missing))} table")
+            migrate(self.db, SCHEMA, existing=not create)
         except BaseException:
             self.db.close()
             raise
 
     def close(self) -> None:
+        """Close the connection."""
         self.db.close()
 
-    @contextlib.contextmanager
     def transaction(self):
         """One atomic change: BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on error."""
-        with self._lock, immediate_transaction(self.db) as db:
-            yield db
-
-    def _migrate(self) -> None:
-        with self.transaction() as db:
-            db.execute("CREATE TABLE IF NOT EXISTS schema_migrations "
-                       "(version INTEGER PRIMARY KEY, applied REAL NOT NULL)")
-            done = {v for (v,) in db.execute("SELECT version FROM schema_migrations")}
-            for version, script in enumerate(MIGRATIONS, 1):
-                if version not in done:
-                    for statement in script.split(";"):
-                        if statement.strip():
-                            db.execute(statement)
-                    db.execute("INSERT INTO schema_migrations VALUES (?, ?)",
-                               (version, time.time()))
+        return self.db.transaction()
 
     @property
     def schema_version(self) -> int:
-        (version,) = self.db.execute("SELECT MAX(version) FROM schema_migrations").fetchone()
-        return version or 0
+        """How many of the catalog's migrations the file has."""
+        return schema_version(self.db, SCHEMA)
 
     def setting(self, key: str) -> str | None:
         row = self.db.execute("SELECT value FROM store WHERE key = ?", (key,)).fetchone()
@@ -244,7 +192,8 @@ class Catalog:
 
     def set_setting(self, key: str, value: str) -> None:
         with self.transaction() as db:
-            db.execute("INSERT OR REPLACE INTO store VALUES (?, ?)", (key, value))
+            db.execute("INSERT INTO store (key, value) VALUES (?, ?) "
+                       "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (key, value))
 
     def get(self, snapshot_id: str) -> Snapshot | None:
         row = self.db.execute(_SELECT + " WHERE s.id = ?", (snapshot_id,)).fetchone()
@@ -279,22 +228,22 @@ class Catalog:
                 return None
             row = db.execute("SELECT seq FROM snapshots WHERE id = ?", (snapshot_id,)).fetchone()
             if row is None:
-                raise sqlite3.IntegrityError(f"snapshot {snapshot_id} was removed meanwhile")
+                raise ConstraintFailed(f"snapshot {snapshot_id} was removed meanwhile")
             return row[0]
 
         if new_layer is not None:
             self.add_layer(db, new_layer)
         layers = sorted({int(layer) for layer in layers})
-        cur = db.execute(
+        seq = db.insert(
             "INSERT INTO snapshots (id, parent, created, message, meta, size, changed_bytes, "
             "ranges, expires, map_sha256, map_base, refs) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
             (snapshot.id, seq_of(snapshot.parent), snapshot.created, snapshot.message,
              json.dumps(snapshot.meta, sort_keys=True), snapshot.size, snapshot.changed_bytes,
              snapshot.ranges, snapshot.expires, snapshot.map_sha256,
-             seq_of(snapshot.map_base), len(layers)))
+             seq_of(snapshot.map_base), len(layers)), key="seq")
         db.executemany("INSERT INTO layer_refs VALUES (?, ?)",
-                       [(cur.lastrowid, layer) for layer in layers])
-        return cur.lastrowid
+                       [(seq, layer) for layer in layers])
+        return seq
 
     def add_layer(self, db, record: LayerRecord) -> None:
         """Record a new layer file inside an open transaction."""
@@ -323,7 +272,7 @@ class Catalog:
         """Note that every chunk of a layer matched at ``checked``, its file
         being ``stat``. Best effort: unrecorded, the layer is checked again
         next time (on a full disk, say)."""
-        with contextlib.suppress(sqlite3.Error), self.transaction() as db:
+        with contextlib.suppress(DatabaseError, OSError), self.transaction() as db:
             db.execute("UPDATE layers SET checked = ?, stat = ? WHERE layer = ?",
                        (checked, stat, int(layer)))
 
@@ -348,7 +297,9 @@ class Catalog:
 
     def retire(self, db, snapshot_id: str) -> None:
         """Remember that an id was removed, inside an open transaction."""
-        db.execute("INSERT OR REPLACE INTO retired_ids VALUES (?, ?)", (snapshot_id, time.time()))
+        db.execute("INSERT INTO retired_ids (id, removed) VALUES (?, ?) "
+                   "ON CONFLICT (id) DO UPDATE SET removed = excluded.removed",
+                   (snapshot_id, time.time()))
 
     def retired(self, snapshot_id: str) -> bool:
         """Whether a snapshot with this id was removed from this store."""
@@ -415,18 +366,5 @@ class Catalog:
         return problems
 
     def integrity_problems(self) -> list[str]:
-        """What SQLite's own integrity and foreign-key checks report."""
-        problems = [row[0] for row in self.db.execute("PRAGMA integrity_check")
-                    if row[0] != "ok"]
-        problems += [f"dangling reference in {row[0]}"
-                     for row in self.db.execute("PRAGMA foreign_key_check")]
-        return problems
-
-
-def _out_of_space(path: str) -> bool:
-    """Whether the filesystem holding ``path`` has no room for SQLite's files."""
-    try:
-        st = os.statvfs(os.path.dirname(os.path.abspath(path)))
-    except OSError:
-        return False
-    return st.f_bavail * st.f_frsize < 64 * 1024
+        """What the database's own integrity and foreign-key checks report."""
+        return self.db.integrity_problems()

@@ -32,7 +32,6 @@ import io
 import json
 import math
 import os
-import sqlite3
 import stat as stat_mode
 import struct
 import threading
@@ -68,7 +67,9 @@ from blockdiff.engine.extents import (
 )
 from blockdiff.errors import (
     AmbiguousId,
+    ConstraintFailed,
     Damaged,
+    DatabaseDamaged,
     ImageBusy,
     InvalidDiff,
     StoreError,
@@ -78,8 +79,6 @@ from blockdiff.errors import (
 )
 from blockdiff.store.catalog import (
     Catalog,
-    CatalogDamaged,
-    CatalogTooNew,
     LayerRecord,
     Snapshot,
     candidates,
@@ -414,8 +413,8 @@ class Store:
                              f"make one with: blockdiff init {self.root}")
         self.objects = self.root / "objects"
         self.staging = self.root / "staging"
-        damaged = (f"{path} is damaged ({{}}); nothing was changed. Put back a copy of it, "
-                   f"or move the store away and import its exports into a new one")
+        repair = ("nothing was changed. Put back a copy of it, or move the store away and "
+                  "import its exports into a new one")
         try:
             try:
                 self.catalog = Catalog(str(path))
@@ -426,15 +425,12 @@ class Store:
                     raise OSError(errno.ENOSPC, "No space left on device (blockdiff rm and gc "
                                   "can still free space in the store)", str(path)) from None
                 self.catalog = Catalog(str(path))
-        except CatalogDamaged as e:
-            raise Damaged(damaged.format(e)) from None
-        except CatalogTooNew as e:
-            raise StoreError(f"{path} was written by a newer blockdiff (schema {e}); "
-                             f"upgrade blockdiff to use this store") from None
+        except DatabaseDamaged as e:
+            raise DatabaseDamaged(f"{e}; {repair}") from None
         problems = self.catalog.store_problems()
         if problems:
             self.catalog.close()
-            raise Damaged(damaged.format("; ".join(problems)))
+            raise Damaged(f"{path} is damaged ({'; '.join(problems)}); {repair}")
         self.id = self.catalog.setting("store_id")
         # Without reflink the store copies data and compares contents.
         self.copy_mode = self.catalog.setting("mode") == "copy"
@@ -985,7 +981,7 @@ class Store:
                             raise StoreError(f"snapshot {snap_id} was in this store before; "
                                              f"it cannot come back under the same id")
                         snap.seq = self.catalog.add(db, snap, np.unique(pieces.layer), record)
-                except sqlite3.IntegrityError as e:   # the parent was removed meanwhile
+                except ConstraintFailed as e:   # the parent was removed meanwhile
                     raise StoreError(f"cannot commit {image}: {e}; commit it again") from None
             except BaseException:
                 for p in (layer_tmp, map_tmp):

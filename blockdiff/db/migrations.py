@@ -1,0 +1,110 @@
+"""Schema migrations: named groups, each with its own version.
+
+A database records the version of each group it holds in one table,
+``schema_versions (name, version)``; a group's version is the number of its
+scripts applied. :func:`migrate` applies the missing scripts of every group
+given, in order, in one transaction, and refuses a database where a group is
+newer than the code knows (``SchemaTooNew``).
+
+Databases made before that table record their version the way they did then,
+which a group names as its ``legacy`` marker: ``"schema_migrations"`` (the
+store's catalog: a table with a row per applied version) or
+``"user_version"`` (the agent records and the LangGraph checkpoints: SQLite's
+``PRAGMA user_version``). The version read is the highest either records, so
+such a database is adopted as it is; the marker is kept in step with the
+table, so that an older blockdiff opening it still refuses a schema newer
+than it knows, and still opens one it does know.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from blockdiff.db.protocol import Database, damaged
+from blockdiff.errors import SchemaTooNew
+
+VERSION_TABLE = "schema_versions"
+LEGACY_MARKERS = ("schema_migrations", "user_version")
+
+
+@dataclass(frozen=True)
+class Migrations:
+    """A named group of migrations: ``scripts[i]`` takes the group's tables
+    from version i to i + 1 (statements separated by ``;``, in the dialect of
+    the database). Append to it; never edit a script once released."""
+
+    name: str
+    scripts: Sequence[str]
+    legacy: str | None = None      # how databases made before VERSION_TABLE record it
+
+    def __post_init__(self):
+        if self.legacy is not None and self.legacy not in LEGACY_MARKERS:
+            raise ValueError(f"legacy must be one of {', '.join(LEGACY_MARKERS)} or None, "
+                             f"not {self.legacy!r}")
+
+    @property
+    def version(self) -> int:
+        """The version this code brings the group to."""
+        return len(self.scripts)
+
+
+def migrate(db: Database, *groups: Migrations, existing: bool = False) -> None:
+    """Bring every group of ``db`` to the code's version, in one transaction
+    (two processes opening a new database at once migrate it once).
+    ``existing``: the database must hold the groups already, so one without a
+    version is damage (``DatabaseDamaged``) rather than new."""
+    with db.transaction():
+        tables = db.tables()
+        if VERSION_TABLE not in tables:
+            db.execute(f"CREATE TABLE {VERSION_TABLE} "
+                       "(name TEXT PRIMARY KEY, version INTEGER NOT NULL)")
+        for group in groups:
+            recorded, legacy = _versions(db, group, tables)
+            version = max(recorded, legacy)
+            if version > group.version:
+                raise SchemaTooNew(
+                    f"{db.name} was written by a newer blockdiff: its {group.name} schema is "
+                    f"version {version}, newer than the {group.version} this one knows; "
+                    f"upgrade blockdiff to use it")
+            if existing and version == 0:
+                raise damaged(db.name, f"it has no {group.name} schema version")
+            if version < group.version and group.legacy == "schema_migrations":
+                db.execute("CREATE TABLE IF NOT EXISTS schema_migrations "
+                           "(version INTEGER PRIMARY KEY, applied REAL NOT NULL)")
+            for number in range(version + 1, group.version + 1):
+                for statement in group.scripts[number - 1].split(";"):
+                    if statement.strip():
+                        db.execute(statement)
+                _mark_legacy(db, group, number)
+            if recorded != group.version:
+                db.execute(f"INSERT INTO {VERSION_TABLE} (name, version) VALUES (?, ?) "
+                           "ON CONFLICT (name) DO UPDATE SET version = excluded.version",
+                           (group.name, group.version))
+
+
+def schema_version(db: Database, group: Migrations) -> int:
+    """The version of ``group`` that ``db`` holds (0: none)."""
+    return max(_versions(db, group, db.tables()))
+
+
+def _versions(db: Database, group: Migrations, tables: set[str]) -> tuple[int, int]:
+    """The group's version as VERSION_TABLE records it, and as its legacy marker does."""
+    recorded = legacy = 0
+    if VERSION_TABLE in tables:
+        row = db.execute(f"SELECT version FROM {VERSION_TABLE} WHERE name = ?",
+                         (group.name,)).fetchone()
+        recorded = row[0] if row else 0
+    if group.legacy == "schema_migrations" and "schema_migrations" in tables:
+        legacy = db.execute("SELECT MAX(version) FROM schema_migrations").fetchone()[0] or 0
+    elif group.legacy == "user_version":
+        legacy = db.execute("PRAGMA user_version").fetchone()[0]
+    return recorded, legacy
+
+
+def _mark_legacy(db: Database, group: Migrations, number: int) -> None:
+    if group.legacy == "schema_migrations":
+        db.execute("INSERT INTO schema_migrations VALUES (?, ?)", (number, time.time()))
+    elif group.legacy == "user_version":
+        db.execute(f"PRAGMA user_version = {int(number)}")
