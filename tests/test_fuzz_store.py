@@ -23,14 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from blockdiff.errors import BlockdiffError
-from blockdiff.store.store import (
-    EXPORT_MAGIC,
-    MAP_ERRORS,
-    Store,
-    _decode_map,
-    _encode_map,
-    read_export_record,
-)
+from blockdiff.store.maps import MAP_ERRORS, SnapshotMap, decode_map, encode_map
+from blockdiff.store.store import Store
+from blockdiff.store.transfer import EXPORT_MAGIC, read_export_record
 
 CORPUS = Path(__file__).parent / "corpus" / "export"
 FUZZ = settings(max_examples=150, deadline=None,
@@ -142,21 +137,20 @@ def test_mutated_exports_import_or_fail_cleanly(exported, data):
 @given(data=st.data())
 def test_map_decoder_raises_only_damage(data):
     from blockdiff.engine.extents import ExtentMap, PieceTable
-    from blockdiff.store.store import SnapshotMap
 
     n = data.draw(st.integers(0, 5))
     u = np.arange(n, dtype=np.uint64) * np.uint64(4096)
     smap = SnapshotMap(PieceTable(u, np.full(n, 4096, np.uint64), np.ones(n, np.int64), u,
                                   n * 4096),
                        ExtentMap.from_arrays(u, u, np.full(n, 4096), np.zeros(n), n * 4096), 1)
-    blob = bytearray(_encode_map(smap))
+    blob = bytearray(encode_map(smap))
     for _ in range(data.draw(st.integers(1, 8))):
         i = data.draw(st.integers(0, len(blob) - 1))
         blob[i] = data.draw(st.integers(0, 255))
     if data.draw(st.booleans()):
         del blob[data.draw(st.integers(0, len(blob))):]
     try:
-        _decode_map(bytes(blob))
+        decode_map(bytes(blob))
     except MAP_ERRORS:
         pass
 

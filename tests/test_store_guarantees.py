@@ -486,20 +486,20 @@ def test_errors_name_the_output_not_its_temporary_file(store, xfs, fresh_filesys
 
 
 def test_what_a_restore_reads_to_check_follows_the_change(store, xfs, monkeypatch):
-    import blockdiff.store.store as store_module
+    from blockdiff.store import layers
 
     image, snaps, digests = line(store, xfs, 3, blocks=8)
     # A fork of layers vouched for at their commit reads nothing to check them.
     assert store.restore(snaps[2].id, xfs / "fork.img").checked_bytes == 0
     # Past the vouching window a fork reads every layer it uses, once.
-    monkeypatch.setattr(store_module, "VOUCH_SECONDS", -1)
+    monkeypatch.setattr(layers, "VOUCH_SECONDS", -1)
     whole = store.restore(snaps[2].id, xfs / "fork2.img").checked_bytes
     used = {int(layer) for layer in store.load_map(snaps[2]).pieces.layer}
-    assert whole == sum(int(store._layer(layer).length.sum()) for layer in used) > 0
+    assert whole == sum(int(store.layers.decoded(layer).length.sum()) for layer in used) > 0
     # In place, the chunks holding what is rewritten: the bytes rewritten and
     # at most two partial chunks more for each range (8 blocks a step).
     result = store.restore(snaps[0].id, image)
-    assert 0 < result.checked_bytes <= result.bytes + 2 * result.ranges * store_module.CHUNK
+    assert 0 < result.checked_bytes <= result.bytes + 2 * result.ranges * layers.CHUNK
     assert result.checked_bytes < whole
     assert digest(image) == digests[0]
 

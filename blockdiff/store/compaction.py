@@ -1,0 +1,88 @@
+"""Compaction: a snapshot's data rewritten into one new, physically
+contiguous layer, so that forks of it take a few clones instead of one per
+fragment (see docs/store.md, "Fragmented images and compaction")."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+
+from blockdiff import native
+from blockdiff.engine.extents import ExtentMap, PieceTable, coalesce
+from blockdiff.store.catalog import Snapshot
+from blockdiff.store.ids import new_id
+from blockdiff.store.layers import chunk_record, file_identity
+from blockdiff.store.maps import SnapshotMap, encode_map, pack_pieces
+from blockdiff.store.objects import unlink
+from blockdiff.store.removal import refuse_lost_references
+from blockdiff.store.state import StoreState
+
+
+def compact(store: StoreState, snapshot_id: str) -> Snapshot:
+    """See ``Store.compact``."""
+    layer = int(new_id(), 16)
+    layer_path = store.layer_path(layer)
+    objects = store.object_files
+    staged = objects.staged(f"{layer:016x}", "layer")
+    map_tmp = objects.staged(snapshot_id, "compact.map")
+    placed: list[Path] = []
+    digest = ""
+    with store.lock.shared():
+        snap = store.get(snapshot_id)
+        snapshot_id = snap.id   # a prefix resolved
+        smap = store.load_map(snap)
+        try:
+            store.layers.check_pieces(snap, smap.pieces, whole=True)
+            fd = objects.create(staged)
+            try:
+                # The layer is the image itself (position = offset), its
+                # data copied, not reflinked, so the filesystem lays it
+                # out afresh.
+                native.truncate(fd, snap.size, staged)
+                pieces = smap.pieces
+                store.layers.fill(fd, str(staged), pieces, copy=True)
+                native.fsync(fd, staged)
+                compacted = PieceTable(*coalesce(pieces.offset, pieces.length,
+                                                 np.full(len(pieces), layer, np.int64),
+                                                 pieces.offset.copy()), size=snap.size)
+                record = chunk_record(layer, fd, staged, compacted.pos, compacted.pos,
+                                      compacted.length)
+                extents = ExtentMap.of_file(fd, staged, sync=False)  # fsynced above
+            finally:
+                os.close(fd)
+            # Where the bytes came from, so comparisons see the same runs.
+            record.origin = pack_pieces(store.layers.canonical(pieces))
+            raw = encode_map(SnapshotMap(compacted, extents, layer))
+            digest = hashlib.sha256(raw).hexdigest()
+            objects.write(map_tmp, raw)
+            objects.place(staged, layer_path, placed)
+            objects.place(map_tmp, objects.map_path(snap.id, digest), placed)
+            objects.sync()
+            record.stat = file_identity(layer_path)
+            old_map = store.map_path(snap)
+            # Maps that are deltas on the old one are written whole first.
+            dependents, digests = store.maps.write_dependents_whole(snap, placed)
+            with store.catalog.transaction() as db:
+                refuse_lost_references(store.catalog, store.root, db)
+                store.maps.point_dependents_at_whole(db, snap, digests)
+                store.catalog.add_layer(db, record)
+                unused = store.catalog.replace_map(db, snap, digest, [layer])
+        except BaseException:
+            for p in (staged, map_tmp):
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+            objects.unplace(lambda: (store.catalog.get(snapshot_id) or snap).map_sha256
+                            == digest, placed)
+            raise
+    with store.lock.exclusive():
+        unlink(old_map)
+        for dep in dependents:
+            unlink(store.map_path(dep))
+        for old in unused:
+            unlink(store.layer_path(old))
+            store.layers.forget(old)
+    return store.get(snapshot_id)

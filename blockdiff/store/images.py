@@ -1,0 +1,309 @@
+"""Images into the store and back: commit, restore (in place or into a new
+path), temporary images of snapshots in staging, and comparing snapshots.
+
+Committing compares the image's extent map with the parent's; restoring
+compares it with the target snapshot's and clones only the ranges that
+differ. Without reflink (a store made with ``allow_copy``) both compare
+contents instead, against images of the snapshots rebuilt in staging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from blockdiff import native
+from blockdiff.engine import diff as engine
+from blockdiff.engine import files
+from blockdiff.engine import formats as fmt
+from blockdiff.engine.extents import (
+    DATA,
+    ZERO,
+    ExtentMap,
+    RangeSet,
+    changed_ranges,
+    differing_pieces,
+    normalize_ranges,
+    overlay,
+    pieces_within,
+    remap,
+    union,
+)
+from blockdiff.errors import ConstraintFailed, StoreError, Unsupported
+from blockdiff.store.catalog import Snapshot
+from blockdiff.store.ids import layer_number, new_id
+from blockdiff.store.layers import chunk_record, file_identity
+from blockdiff.store.lineage import image_locked, set_lineage
+from blockdiff.store.maps import MAP_CHAIN, SnapshotMap, delta_on, encode_map
+from blockdiff.store.retention import check_duration
+from blockdiff.store.state import StoreState
+
+BLOCK = 4096
+
+# ``(offsets, lengths)`` of the byte ranges written to an image.
+Written = tuple[np.ndarray, np.ndarray]
+
+
+@dataclass
+class RestoreResult:
+    """What ``Store.restore`` did."""
+
+    snapshot: str
+    image: str
+    ranges: int          # ranges of the image rewritten
+    bytes: int
+    forked: bool         # a new image rather than one restored in place
+    tracked: bool = False  # the differences came from written ranges, not an extent map
+    checked_bytes: int = 0   # layer bytes read to check the restored data
+
+
+def compare_with_file(fd: int, path: str, base: Path | None):
+    """Ranges where an open file differs from the file ``base`` (None: from
+    nothing), found by reading both."""
+    if base is None:
+        return engine.compare_contents(fd, path, None)
+    with open(base, "rb") as b:
+        return engine.compare_contents(fd, path, b.fileno())
+
+
+def commit(store: StoreState, image: str | os.PathLike, *, parent: str | None = None,
+           message: str = "", meta: dict | None = None, ttl: float | None = None,
+           skip_unchanged: bool = False, written: Written | None = None,
+           imported: Snapshot | None = None) -> Snapshot:
+    """See ``Store.commit``; ``imported`` is its ``_imported``."""
+    if ttl is not None:
+        ttl = check_duration(ttl, "ttl")
+    image = os.fspath(image)
+    with image_locked(image, os.O_RDONLY) as fd, store.lock.shared():
+        known, state = store.lineage(image)
+        if state == "restoring":
+            raise StoreError(f"{image} was being restored when that was interrupted; "
+                             f"finish with: blockdiff restore --store {store.root} {known} "
+                             f"{image}")
+        parent = parent if parent is not None else known
+        parent_snap = None if parent is None else store.get(parent)
+        parent = None if parent_snap is None else parent_snap.id   # a prefix resolved
+        parent_map = None if parent_snap is None else store.load_map(parent_snap)
+
+        native.fsync(fd, image)
+        size = os.fstat(fd).st_size
+        # Written ranges describe the change only from the snapshot the image
+        # is a clean copy of, at its size.
+        if not (parent_snap is not None and parent == known and state == "clean"
+                and size == parent_snap.size):
+            written = None
+        emap, changes = _changes(store, fd, image, size, parent_snap, parent_map, written)
+        if (skip_unchanged and parent_snap is not None and len(changes) == 0
+                and emap.size == parent_snap.size):
+            return parent_snap
+
+        snap_id = imported.id if imported else new_id()
+        layer = layer_number(snap_id)
+        data_pos = fmt.layout_data(changes, version=2)
+        is_data = changes.kind == DATA
+        src, dst, length = changes.offset[is_data], data_pos[is_data], changes.length[is_data]
+        layer_tmp = store.object_files.staged(snap_id, "layer")
+        map_tmp = store.object_files.staged(snap_id, "map")
+        layer_path = store.layer_path(layer)
+        placed: list[Path] = []
+        try:
+            # Checksums come from the image's bytes (in the page cache
+            # after the step), chunk by chunk; the data is reflinked.
+            record = chunk_record(layer, fd, image, src, dst, length)
+            out = store.object_files.create(layer_tmp)
+            try:
+                native.transfer_ranges(fd, out, src, dst, length, layer_tmp)
+                native.fsync(out, layer_tmp)
+            finally:
+                os.close(out)
+            pieces = overlay(None if parent_map is None else parent_map.pieces, changes,
+                             data_pos, layer, emap.size)
+            smap = SnapshotMap(pieces, emap, layer)
+            delta = None
+            if parent_map is not None and parent_map.chain + 1 < MAP_CHAIN:
+                delta = delta_on(parent, parent_map, changes, emap.size)
+                smap.chain = parent_map.chain + 1
+            raw = encode_map(smap, delta)
+            store.object_files.write(map_tmp, raw)
+            digest = hashlib.sha256(raw).hexdigest()
+            snap = Snapshot(0, snap_id, parent, time.time(), message, meta or {},
+                            emap.size, changes.bytes_of(DATA) + changes.bytes_of(ZERO),
+                            len(changes), None if ttl is None else time.time() + ttl,
+                            digest, None if delta is None else parent)
+            if imported:
+                snap.created, snap.message = imported.created, imported.message
+                snap.meta, snap.expires = imported.meta, imported.expires
+            store.object_files.place(layer_tmp, layer_path, placed)
+            store.object_files.place(map_tmp, store.map_path(snap), placed)
+            store.object_files.sync()
+            record.stat = file_identity(layer_path)
+            try:
+                with store.catalog.transaction() as db:
+                    if imported and (store.catalog.retired(snap_id)
+                                     or store.catalog.layer(layer) is not None):
+                        raise StoreError(f"snapshot {snap_id} was in this store before; "
+                                         f"it cannot come back under the same id")
+                    snap.seq = store.catalog.add(db, snap, np.unique(pieces.layer), record)
+            except ConstraintFailed as e:   # the parent was removed meanwhile
+                raise StoreError(f"cannot commit {image}: {e}; commit it again") from None
+        except BaseException:
+            for p in (layer_tmp, map_tmp):
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+            store.object_files.unplace(lambda: store.catalog.get(snap_id) is not None, placed)
+            raise
+        set_lineage(fd, store.id, snap_id, "clean")
+        store.maps.remember(digest, smap)
+        return snap
+
+
+def _changes(store: StoreState, fd: int, image: str, size: int, parent_snap: Snapshot | None,
+             parent_map: SnapshotMap | None, written: Written | None):
+    """``(extent map, changed ranges)`` of an fsynced image against its
+    parent: from the ranges ``written`` since the parent, if given, else from
+    the whole image's extent map (or its contents, without reflink)."""
+    if store.copy_mode:
+        emap = ExtentMap.from_arrays([], [], [], [], size)
+        with materialized(store, parent_snap) as parent_copy:
+            return emap, compare_with_file(fd, image, parent_copy)
+    if native.fs_info(fd, image)[2] != os.stat(store.objects).st_dev:
+        raise Unsupported(f"{image} is not on the store's filesystem; keep images "
+                          f"beside the store ({store.root}) so snapshots are "
+                          f"reflinks")
+    if written is not None:
+        starts, ends = normalize_ranges(*written, size, BLOCK)
+        fresh = native.fiemap_ranges(fd, starts, ends, image)  # fsynced by the caller
+        emap, (now, before) = remap(parent_map.extents, starts, ends, fresh)
+        now.check_supported(image)
+        return emap, changed_ranges(now, before, BLOCK)
+    emap = ExtentMap.of_file(fd, image, sync=False)  # fsynced by the caller
+    emap.check_supported(image)
+    return emap, changed_ranges(emap, None if parent_map is None else parent_map.extents,
+                                BLOCK)
+
+
+def restore(store: StoreState, snapshot_id: str, image: str | os.PathLike, *,
+            written: Written | None = None) -> RestoreResult:
+    """See ``Store.restore``."""
+    image = os.fspath(image)
+    # A dangling link counts as there: it is refused, not written through.
+    exists = os.path.lexists(image)
+    elsewhere = exists and not os.path.islink(image) and (
+        store.copy_mode or os.stat(image).st_dev != os.stat(store.objects).st_dev)
+    if not exists or elsewhere:
+        return _fork(store, snapshot_id, image)
+    return _restore_in_place(store, snapshot_id, image, written)
+
+
+def _fork(store: StoreState, snapshot_id: str, image: str) -> RestoreResult:
+    """Build an image of the snapshot whole and rename it over ``image``."""
+    # Physical addresses compare only within one filesystem (and mean
+    # nothing without reflink): such an image is rebuilt whole and
+    # renamed over, never patched.
+    with store.lock.shared():
+        snap = store.get(snapshot_id)
+        smap = store.load_map(snap)
+        checked = store.layers.check_pieces(snap, smap.pieces, whole=True)
+        with files.atomic_output(image) as (fd, temp):
+            native.truncate(fd, snap.size, temp)
+            store.layers.fill(fd, temp, smap.pieces)
+            set_lineage(fd, store.id, snap.id, "clean")
+    return RestoreResult(snap.id, image, len(smap.pieces),
+                         int(smap.pieces.length.sum()), forked=True,
+                         checked_bytes=checked)
+
+
+def _restore_in_place(store: StoreState, snapshot_id: str, image: str,
+                      written: Written | None) -> RestoreResult:
+    """Rewrite only the ranges where ``image`` differs from the snapshot."""
+    with image_locked(image, os.O_RDWR) as fd, store.lock.shared():
+        snap = store.get(snapshot_id)
+        smap = store.load_map(snap)
+        known, state = store.lineage(image)
+        size = os.fstat(fd).st_size
+        from_snap = store.get(known) if known is not None else None
+        tracked = (written is not None and from_snap is not None and state == "clean"
+                   and from_snap.size == size == snap.size)
+        if tracked:
+            # The image is its lineage snapshot except where it was written.
+            between = changed_ranges(smap.extents, store.load_map(from_snap).extents, BLOCK)
+            starts, ends = normalize_ranges(*written, size, BLOCK)
+            starts, ends = union(np.concatenate((between.offset, starts)),
+                                 np.concatenate((between.offset + between.length, ends)))
+            ends = np.minimum(ends, np.uint64(size))   # never past the end of the file
+        else:
+            native.fsync(fd, image)
+            current = ExtentMap.of_file(fd, image, sync=False)  # fsynced above
+            differ = changed_ranges(smap.extents, current, BLOCK)
+            starts, ends = differ.offset, differ.offset + differ.length
+        # Within the ranges that differ, the snapshot's pieces are cloned
+        # in and the rest, its zeros, punched; checked before anything is.
+        pieces, (hole_start, hole_end) = pieces_within(smap.pieces, starts, ends)
+        checked = store.layers.check_pieces(snap, pieces, whole=False)
+        # Marked first: a crash half-way leaves an image commit refuses.
+        set_lineage(fd, store.id, snap.id, "restoring")
+        if not tracked:
+            native.truncate(fd, snap.size, image)
+        store.layers.fill(fd, image, pieces)
+        native.zero_ranges(fd, hole_start, hole_end - hole_start, image)
+        native.fsync(fd, image)
+        set_lineage(fd, store.id, snap.id, "clean")
+    return RestoreResult(snap.id, image, len(starts), int((ends - starts).sum()),
+                         forked=False, tracked=tracked, checked_bytes=checked)
+
+
+@contextlib.contextmanager
+def materialized(store: StoreState, snap: Snapshot | None, *,
+                 on: tuple[Snapshot, Path] | None = None):
+    """A temporary full image of a snapshot in the staging area (None: no
+    file), checked like a fork. With ``on`` (an ancestor and its
+    materialized image), it is a reflink copy of that image with only the
+    ranges where the two snapshots hold other bytes rewritten, so that the
+    two files share every block they have in common."""
+    if snap is None:
+        yield None
+        return
+    path = store.object_files.staged(snap.id, f"{os.urandom(4).hex()}.img")
+    try:
+        smap = store.load_map(snap)
+        store.layers.check_pieces(snap, smap.pieces, whole=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            if on is None:
+                native.truncate(fd, snap.size, path)
+                store.layers.fill(fd, str(path), smap.pieces)
+            else:
+                base, base_path = on
+                with open(base_path, "rb") as src:
+                    files.clone_or_copy(src.fileno(), fd, base.size, str(path))
+                native.truncate(fd, snap.size, path)
+                differ = differences(store, base, snap)
+                pieces, (hole_start, hole_end) = pieces_within(
+                    smap.pieces, differ.offset, differ.offset + differ.length)
+                store.layers.fill(fd, str(path), pieces)
+                native.zero_ranges(fd, hole_start, hole_end - hole_start, path)
+        finally:
+            os.close(fd)
+        yield path
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def differences(store: StoreState, a: Snapshot, b: Snapshot) -> RangeSet:
+    """The ranges where snapshot ``b`` holds other bytes than ``a``."""
+    if store.copy_mode:
+        with store.lock.shared(), materialized(store, b) as path_b, \
+                materialized(store, a) as path_a:
+            with open(path_b, "rb") as f:
+                return compare_with_file(f.fileno(), str(path_b), path_a)
+    # Pieces, not physical addresses: compaction moves data, not content.
+    layers = store.layers
+    map_a, map_b = store.load_map(a), store.load_map(b)
+    return differing_pieces(layers.canonical(map_a.pieces), layers.canonical(map_b.pieces))

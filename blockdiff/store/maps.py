@@ -1,0 +1,215 @@
+"""Snapshot maps: the piece table and extent map a snapshot's map file holds,
+their encoding, and maps stored as deltas on their parent's.
+
+A commit stores its map as a delta on its parent's, whole at least every
+``MAP_CHAIN`` commits down a line: maps then take space in proportion to the
+steps, not to the image's extents times the steps, and reading one reads at
+most ``MAP_CHAIN`` files. Map files are named by their digest and never
+change, so a decoded map is kept for as long as the store is open.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import struct
+import zipfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from blockdiff.engine.extents import (
+    ExtentMap,
+    PieceTable,
+    partition,
+    pieces_within,
+    remap,
+    splice_pieces,
+    union,
+)
+from blockdiff.errors import Damaged, StoreError
+from blockdiff.store.catalog import Catalog, Snapshot
+from blockdiff.store.ids import find_snapshot
+from blockdiff.store.objects import DecodedCache, ObjectFiles
+
+MAP_CHAIN = 8
+MAP_CACHE = 4   # decoded maps kept per store: the last commit's is the next one's parent
+PIECE_DTYPE = np.dtype([("offset", "<u8"), ("length", "<u8"), ("layer", "<i8"), ("pos", "<u8")])
+# What decoding a map file that is not one can raise (numpy's npz reader and
+# the zipfile module under it; RuntimeError covers its unsupported methods,
+# versions and encryption).
+MAP_ERRORS = (ValueError, KeyError, OSError, EOFError, struct.error, zipfile.BadZipFile,
+              zlib.error, RuntimeError, MemoryError)
+
+
+@dataclass
+class SnapshotMap:
+    """What a snapshot's map file holds."""
+
+    pieces: PieceTable
+    extents: ExtentMap        # the image's extent map when it was committed
+    own_layer: int = 0        # the layer this snapshot wrote (its own, or the one
+                              # compaction wrote)
+    chain: int = 0            # maps between this one and one stored whole (0: whole)
+
+
+@dataclass(frozen=True)
+class MapDelta:
+    """A map stored as a delta: inside the intervals ``[starts, ends)`` its
+    pieces and extents are its own, outside them those of ``base``'s map."""
+
+    base: str                 # the snapshot whose map this one builds on
+    starts: np.ndarray
+    ends: np.ndarray
+
+
+def encode_map(m: SnapshotMap, delta: MapDelta | None = None) -> bytes:
+    """A map file: the whole map, or with ``delta`` only its parts inside the
+    delta's intervals."""
+    pieces, extents, extra = m.pieces, m.extents, {}
+    if delta is not None:
+        pieces, _ = pieces_within(m.pieces, delta.starts, delta.ends)
+        inside, _ = partition(m.extents, delta.starts, delta.ends)
+        extents = ExtentMap(*inside, size=m.extents.size)
+        extra = {"base": np.array(delta.base), "d_start": delta.starts, "d_end": delta.ends}
+    buf = io.BytesIO()
+    np.savez(buf, size=np.uint64(pieces.size), p_offset=pieces.offset,
+             p_length=pieces.length, p_layer=pieces.layer, p_pos=pieces.pos,
+             e_logical=extents.logical, e_physical=extents.physical,
+             e_length=extents.length, e_flags=extents.flags, e_size=np.uint64(extents.size),
+             own_layer=np.int64(m.own_layer), chain=np.int64(m.chain), **extra)
+    return buf.getvalue()
+
+
+def decode_map(raw: bytes) -> tuple[SnapshotMap, MapDelta | None]:
+    """A map file's contents: for a delta, only its own parts, and the delta.
+    Raises one of ``MAP_ERRORS`` if ``raw`` is not a map file."""
+    z = np.load(io.BytesIO(raw))   # never pickles: allow_pickle is off
+    pieces = PieceTable(z["p_offset"], z["p_length"], z["p_layer"], z["p_pos"], int(z["size"]))
+    extents = ExtentMap(z["e_logical"], z["e_physical"], z["e_length"], z["e_flags"],
+                        int(z["e_size"]))
+    chain = int(z["chain"]) if "chain" in z.files else 0   # maps before deltas: whole
+    smap = SnapshotMap(pieces, extents, int(z["own_layer"]), chain)
+    delta = None
+    if "base" in z.files:
+        delta = MapDelta(str(z["base"]), z["d_start"], z["d_end"])
+    return smap, delta
+
+
+def pack_pieces(pieces: PieceTable) -> bytes:
+    """A piece table as PIECE_DTYPE rows."""
+    rows = np.empty(len(pieces), PIECE_DTYPE)
+    rows["offset"], rows["length"] = pieces.offset, pieces.length
+    rows["layer"], rows["pos"] = pieces.layer, pieces.pos
+    return rows.tobytes()
+
+
+def unpack_pieces(rows: np.ndarray, size: int) -> PieceTable:
+    """A piece table from PIECE_DTYPE rows."""
+    return PieceTable(rows["offset"].astype(np.uint64), rows["length"].astype(np.uint64),
+                      rows["layer"].astype(np.int64), rows["pos"].astype(np.uint64), size)
+
+
+def delta_on(parent: str, parent_map: SnapshotMap, changes, size: int) -> MapDelta:
+    """Where a child's map differs from its parent's: the changed ranges,
+    and the bytes between the two sizes. Elsewhere the pieces are the
+    parent's, and so are the extents, as far as comparing them goes (the same
+    addresses where there is data)."""
+    starts, ends = changes.offset, changes.offset + changes.length
+    psize = parent_map.pieces.size
+    if psize != size:
+        starts = np.append(starts, np.uint64(min(psize, size)))
+        ends = np.append(ends, np.uint64(max(psize, size)))
+    return MapDelta(parent, *union(starts, ends))
+
+
+class Maps:
+    """The store's map files, read through their chains of deltas and
+    checked against the catalog."""
+
+    def __init__(self, catalog: Catalog, files: ObjectFiles):
+        self.catalog = catalog
+        self.files = files
+        self._decoded = DecodedCache(MAP_CACHE)
+
+    def path(self, snap: Snapshot) -> Path:
+        """Where a snapshot's map is."""
+        return self.files.map_path(snap.id, snap.map_sha256)
+
+    def load(self, snap: Snapshot, *, cached: bool = True) -> SnapshotMap:
+        """A snapshot's map, checked against the digest the catalog recorded
+        (when it is read: ``cached=False`` reads it even if it was read before)
+        and against the catalog's size."""
+        smap = self._read(snap, cached)
+        if smap.pieces.size != snap.size or smap.extents.size != snap.size:
+            raise Damaged(f"snapshot {snap.id}: the catalog says {snap.size} bytes, its map "
+                          f"{smap.pieces.size}; run: blockdiff verify --store {self.files.root}")
+        return smap
+
+    def _read(self, snap: Snapshot, cached: bool) -> SnapshotMap:
+        if cached:
+            known = self._decoded.get(snap.map_sha256)
+            if known is not None:
+                return known
+        damaged = Damaged(f"the map of snapshot {snap.id} is damaged; "
+                          f"run: blockdiff verify --store {self.files.root}")
+        raw = self.path(snap).read_bytes()
+        if hashlib.sha256(raw).hexdigest() != snap.map_sha256:
+            raise damaged
+        try:
+            smap, delta = decode_map(raw)
+        except MAP_ERRORS:
+            raise damaged from None
+        if delta is not None:
+            if delta.base != snap.map_base:
+                raise damaged
+            base = self._read(find_snapshot(self.catalog, self.files.root, delta.base), cached)
+            own = smap
+            extents, _ = remap(base.extents, delta.starts, delta.ends,
+                               (own.extents.logical, own.extents.physical, own.extents.length,
+                                own.extents.flags), size=own.extents.size)
+            smap = dataclasses.replace(
+                own, pieces=splice_pieces(base.pieces, delta.starts, delta.ends, own.pieces),
+                extents=extents)
+        self.remember(snap.map_sha256, smap)
+        return smap
+
+    def remember(self, digest: str, smap: SnapshotMap) -> None:
+        """Keep a map just written (with that digest) for the next reader."""
+        self._decoded.put(digest, smap)
+
+    def write_dependents_whole(self, snap: Snapshot,
+                               placed: list[Path]) -> tuple[list[Snapshot], dict[int, str]]:
+        """Before ``snap``'s map goes or changes: the maps that are deltas on
+        it, written whole (not yet in the catalog), under the shared lock.
+        Returns those snapshots and, by seq, the digests of their new maps."""
+        dependents = self.catalog.map_dependents(snap.id)
+        digests = {}
+        for dep in dependents:
+            smap = dataclasses.replace(self.load(dep), chain=0)
+            raw = encode_map(smap)
+            digest = hashlib.sha256(raw).hexdigest()
+            staged = self.files.staged(dep.id, "whole.map")
+            try:
+                self.files.write(staged, raw)
+                self.files.place(staged, self.files.map_path(dep.id, digest), placed)
+            except BaseException:
+                staged.unlink(missing_ok=True)
+                raise
+            digests[dep.seq] = digest
+            self.remember(digest, smap)
+        if digests:
+            self.files.sync()
+        return dependents, digests
+
+    def point_dependents_at_whole(self, db, snap: Snapshot, digests: dict[int, str]) -> None:
+        """Inside the transaction that removes or rewrites ``snap``'s map: the
+        rows of its dependents name the maps :meth:`write_dependents_whole`
+        wrote, unless another one was committed on it meanwhile."""
+        now = {dep.seq for dep in self.catalog.map_dependents(snap.id, db)}
+        if now != set(digests):
+            raise StoreError(f"a snapshot was committed on {snap.id} meanwhile; try again")
+        self.catalog.set_full_maps(db, digests)

@@ -1,0 +1,102 @@
+"""Removing snapshots (rm, and gc by a retention policy) and sweeping the
+files no snapshot uses.
+
+The catalog rows go first, in one transaction, and the files after it,
+under the exclusive store lock: a crash in between leaves only files no row
+names, which the sweep removes. Descendants of a removed snapshot stay
+restorable byte for byte, since their piece tables are complete.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from blockdiff.errors import Damaged
+from blockdiff.store.catalog import Catalog, Snapshot
+from blockdiff.store.ids import layer_number
+from blockdiff.store.objects import layer_name, unlink
+from blockdiff.store.retention import apply_policy
+from blockdiff.store.state import StoreState
+
+
+@dataclass
+class Removal:
+    """What ``Store.rm`` or ``Store.gc`` removed."""
+
+    removed: list[str]
+    bytes_freed: int     # allocated in the removed files; blocks shared with a
+                         # live image are not freed on disk until it lets go
+    reasons: dict
+
+
+def refuse_lost_references(catalog: Catalog, root: Path, db=None) -> None:
+    """Before anything is deleted: the catalog must account for every layer
+    a snapshot uses, or a layer still in use could go."""
+    lost = catalog.lost_references(db)
+    if lost:
+        raise Damaged(f"the catalog has lost layer references of snapshot(s) "
+                      f"{', '.join(lost[:5])}{' ...' if len(lost) > 5 else ''}; nothing "
+                      f"was removed; run: blockdiff verify --store {root}")
+
+
+def rm(store: StoreState, snapshot_id: str) -> Removal:
+    """See ``Store.rm``."""
+    snap = store.get(snapshot_id)
+    result = remove(store, [snap], {snap.id: "asked"})
+    store.keep_reserve()
+    return result
+
+
+def remove(store: StoreState, snaps: list[Snapshot], reasons: dict) -> Removal:
+    """Remove the snapshots ``snaps`` one by one: rows, then files."""
+    freed = 0
+    refuse_lost_references(store.catalog, store.root)
+    for snap in snaps:
+        placed: list[Path] = []
+        with store.lock.shared():
+            try:
+                dependents, digests = store.maps.write_dependents_whole(snap, placed)
+                with store.catalog.transaction() as db:
+                    refuse_lost_references(store.catalog, store.root, db)
+                    store.maps.point_dependents_at_whole(db, snap, digests)
+                    unused = store.catalog.remove(db, snap, layer_number(snap.id))
+            except BaseException:
+                store.object_files.unplace(lambda: store.catalog.get(snap.id) is None, placed)
+                raise
+        # Files go after the catalog commit, under the exclusive lock: a
+        # crash in between leaves only unreferenced files, which gc sweeps.
+        with store.lock.exclusive():
+            for dep in dependents:
+                freed += unlink(store.map_path(dep))
+            freed += unlink(store.map_path(snap))
+            for layer in unused:
+                freed += unlink(store.layer_path(layer))
+                store.layers.forget(layer)
+    return Removal([s.id for s in snaps], freed, reasons)
+
+
+def gc(store: StoreState, policy, *, now: float | None = None, dry_run: bool = False) -> Removal:
+    """See ``Store.gc``."""
+    _, doomed, reasons = apply_policy(store.catalog.all(), policy,
+                                      time.time() if now is None else now)
+    reasons = {s.id: reasons[s.id] for s in doomed}
+    if dry_run:
+        return Removal([s.id for s in doomed], 0, reasons)
+    result = remove(store, doomed, reasons)
+    result.bytes_freed += sweep(store)
+    store.keep_reserve()
+    return result
+
+
+def sweep(store: StoreState) -> int:
+    """Remove the files of ``objects/`` no catalog row names, and staged
+    files of processes that are gone. Under the exclusive lock, so no
+    operation is between placing files and committing their rows."""
+    with store.lock.exclusive():
+        catalog = store.catalog
+        refuse_lost_references(catalog, store.root)
+        maps = {store.map_path(s).name for s in catalog.all()}
+        layers = {layer_name(layer) for layer in catalog.layer_ids() | catalog.layers_in_use()}
+        return store.object_files.sweep(maps | layers)

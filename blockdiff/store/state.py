@@ -1,0 +1,100 @@
+"""What every operation of an open store shares, in one place: its root and
+catalog, the settings read from the catalog, the store lock, its object
+files, and its maps and layers (each with the cache of what was decoded).
+
+``Store`` is a ``StoreState`` that opens itself; the operation modules
+(images, transfer, compaction, removal, verify) take one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+from blockdiff.store.catalog import Catalog, Snapshot
+from blockdiff.store.ids import find_snapshot
+from blockdiff.store.layers import Layers
+from blockdiff.store.lineage import lineage_record
+from blockdiff.store.maps import Maps, SnapshotMap
+from blockdiff.store.objects import ObjectFiles, StoreLock
+
+# A preallocated file the store deletes to make room when the disk is full,
+# so that rm and gc can still open the catalog and free space.
+RESERVE = 4 << 20
+
+
+class StoreState:
+    """An open store's shared state, over its opened ``catalog``."""
+
+    def __init__(self, root: Path, catalog: Catalog):
+        self.root = root
+        self.catalog = catalog
+        self.id = catalog.setting("store_id")
+        # Without reflink the store copies data and compares contents.
+        self.copy_mode = catalog.setting("mode") == "copy"
+        group = catalog.setting("group")
+        self.group = None if group is None else int(group)
+        # Files readable by their owner only, or by the store's group too.
+        self.file_mode = 0o600 if self.group is None else 0o640
+        self.object_mode = self.file_mode & 0o444
+        self.lock = StoreLock(root / "lock", self.file_mode)
+        self.object_files = ObjectFiles(root, self.object_mode)
+        self.objects, self.staging = self.object_files.objects, self.object_files.staging
+        self.maps = Maps(catalog, self.object_files)
+        self.layers = Layers(catalog, self.object_files)
+
+    def get(self, snapshot_id: str) -> Snapshot:
+        """The catalog entry of a snapshot, given by its id or by a unique
+        prefix of it (at least ``PREFIX_MIN``, 4, hex digits, as git takes);
+        ``UnknownSnapshot`` if none, ``AmbiguousId`` if the prefix begins
+        more than one id. The entry holds the full id: use ``snap.id``, not
+        what was given, from then on."""
+        return find_snapshot(self.catalog, self.root, snapshot_id)
+
+    def map_path(self, snap: Snapshot) -> Path:
+        """Where a snapshot's map is: named by its digest, so a rewritten map
+        (compaction) never replaces the old one under the same name."""
+        return self.maps.path(snap)
+
+    def layer_path(self, layer: int) -> Path:
+        """Where a layer's data file is."""
+        return self.object_files.layer_path(layer)
+
+    def load_map(self, snap: Snapshot, *, cached: bool = True) -> SnapshotMap:
+        """A snapshot's map, checked against the digest the catalog recorded
+        (when it is read: ``cached=False`` reads it even if it was read before)
+        and against the catalog's size."""
+        return self.maps.load(snap, cached=cached)
+
+    def lineage(self, image: str | os.PathLike) -> tuple[str | None, str]:
+        """``(snapshot id, state)`` an image records for this store, else ``(None, "")``."""
+        record = lineage_record(image, self.id, self.catalog)
+        if record is None:
+            return None, ""
+        return record["snapshot"], record.get("state", "")
+
+    def lineage_mark(self, image: str | os.PathLike) -> str | None:
+        """A token that changes with every commit or restore of the image
+        (None if it has no lineage here): a dirty-block tracker reset right
+        after one of them can tell that no other came between."""
+        record = lineage_record(image, self.id, self.catalog)
+        return None if record is None else record.get("mark")
+
+    def keep_reserve(self) -> None:
+        """Make sure the store's reserve file is there, if there is room for it."""
+        path = self.root / "reserve"
+        if path.exists():
+            return
+        temp = self.root / f".reserve.{os.getpid()}"
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, RESERVE)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(temp, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                temp.unlink()

@@ -1,0 +1,75 @@
+"""Verify: everything the store can check about itself, reported by the
+snapshots each problem affects."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from blockdiff.engine.extents import subtract, union
+from blockdiff.errors import Damaged, StoreError
+from blockdiff.store.layers import NO_CHUNKS, Layers, by_layer
+from blockdiff.store.objects import layer_name
+from blockdiff.store.state import StoreState
+
+
+def verify(store: StoreState, snapshot_id: str | None = None) -> dict[str, list[str]]:
+    """See ``Store.verify``."""
+    problems: dict[str, list[str]] = {}
+    catalog = store.catalog.integrity_problems()
+    lost = store.catalog.lost_references()
+    catalog += [f"snapshot {sid}: its layer references are not all there" for sid in lost]
+    if catalog:
+        problems["catalog"] = catalog
+    with store.lock.shared():
+        snaps = [store.get(snapshot_id)] if snapshot_id else store.catalog.all()
+        checked: dict[int, tuple[list[str], tuple]] = {}
+        for snap in snaps:
+            found: list[str] = []
+            path = store.map_path(snap)
+            try:
+                smap = store.load_map(snap, cached=False)
+            except (OSError, StoreError, Damaged, ValueError) as e:
+                problems[snap.id] = [f"map: {getattr(e, 'strerror', None) or e}"]
+                continue
+            if os.stat(path).st_mode & 0o222:
+                found.append(f"{path.name} is writable")
+            used = {int(layer) for layer in np.unique(smap.pieces.layer)}
+            refs = store.catalog.layers_of(snap)
+            if used - refs:
+                found.append(f"the catalog does not record its use of "
+                             f"{', '.join(layer_name(x) for x in sorted(used - refs))}")
+            for layer, sel in by_layer(smap.pieces):
+                if layer not in checked:
+                    checked[layer] = _check_layer(store.layers, layer)
+                layer_problems, bad = checked[layer]
+                found += layer_problems
+                if len(bad[0]):
+                    hit = _overlapping(smap.pieces.pos[sel], smap.pieces.length[sel], *bad)
+                    if hit:
+                        found.append(f"{layer_name(layer)}: {hit} of its bytes are in "
+                                     f"chunks that fail their checksum")
+            if found:
+                problems[snap.id] = sorted(set(found))
+    return problems
+
+
+def _check_layer(layers: Layers, layer: int) -> tuple[list[str], tuple]:
+    """A layer's problems and its bad chunks; vouches for it if it has none."""
+    path = layers.files.layer_path(layer)
+    if not path.exists():
+        return [f"layer {path.name} is missing"], NO_CHUNKS
+    problems = [f"{path.name} is writable"] if os.stat(path).st_mode & 0o222 else []
+    try:
+        bad, _, problem = layers.check_whole(layer)
+    except Damaged as e:
+        return problems + [str(e).split(";")[0]], NO_CHUNKS
+    return problems + ([problem] if problem else []), bad
+
+
+def _overlapping(pos, length, bad_pos, bad_length) -> int:
+    """Bytes of the runs ``pos``/``length`` inside the bad chunks."""
+    starts, ends = union(pos, pos + length)
+    outside_s, outside_e = subtract(starts, ends, bad_pos, bad_pos + bad_length)
+    return int((ends - starts).sum() - (outside_e - outside_s).sum())
