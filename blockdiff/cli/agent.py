@@ -1,0 +1,310 @@
+"""The ``agent`` commands: threads, their checkpoints, approvals, rewind and fork."""
+
+from __future__ import annotations
+
+import click
+
+from blockdiff.cli.options import dry_run_option, json_option, open_store, store_option
+from blockdiff.cli.output import as_dicts, emit_json, emit_records, printable, when
+
+
+@click.group()
+def agent():
+    """Agent checkpoints: threads, their history, approvals, rewind and fork.
+
+    Encrypted state needs its key in BLOCKDIFF_AGENT_KEY (or a file named by
+    BLOCKDIFF_AGENT_KEY_FILE).
+
+    \b
+    Example:
+      blockdiff agent threads --store S
+      blockdiff agent history --store S run-42
+    """
+
+
+def _agent_db(store_path, codec=None):
+    from blockdiff.agent.agent import AgentDB
+
+    return AgentDB(open_store(store_path), codec)
+
+
+def _checkpoint_id(store, checkpoint_id: str, thread: str) -> str:
+    """The full id of the checkpoint an id or a unique prefix of one names
+    (an error about it points to THREAD's history)."""
+    from blockdiff.agent.agent import AgentDB
+
+    with AgentDB(store) as db:
+        return db.checkpoint(checkpoint_id, thread).id
+
+
+@agent.command("threads")
+@store_option
+@json_option
+def agent_threads(store_path, as_json):
+    """List the store's threads: status, head checkpoint, who runs it.
+
+    \b
+    Example:
+      blockdiff agent threads --store S --json
+    """
+    threads = _agent_db(store_path).threads()
+    if as_json:
+        return emit_records(threads)
+    for t in threads:
+        extra = f"  forked from {printable(t.forked_from)}" if t.forked_from else ""
+        who = f"  by {printable(t.owner)}" if t.owner else ""
+        click.echo(f"{printable(t.id):24} {printable(t.status):17} {printable(t.head):16}"
+                   f"{who}{extra}")
+
+
+@agent.command("history")
+@click.argument("thread")
+@store_option
+@json_option
+def agent_history(thread, store_path, as_json):
+    """THREAD's checkpoints from its head back to its start, newest first.
+
+    \b
+    Example:
+      blockdiff agent history --store S run-42
+    """
+    from blockdiff.agent.sealing import Codec
+
+    # Sealed meta shows with the key (and as null without it) in --json only.
+    history = _agent_db(store_path, Codec() if as_json else None).history(thread)
+    if as_json:
+        return emit_records(history)
+    for c in history:
+        disk = f"disk {printable(c.disk_snapshot)}" if c.disk_snapshot else "no disk"
+        click.echo(f"{printable(c.id)}  step {c.step:<4} {when(c.created)}  "
+                   f"{printable(c.reason):24} {disk}"
+                   + (f"  ({printable(c.thread)})" if c.thread != thread else ""))
+
+
+@agent.command("tree")
+@store_option
+def agent_tree(store_path):
+    """Every thread's checkpoints as one tree; forks and rewinds branch.
+
+    \b
+    Example:
+      blockdiff agent tree --store S
+    """
+    click.echo(_agent_db(store_path).tree(label=printable))
+
+
+@agent.command("show")
+@click.argument("checkpoint_id", metavar="CHECKPOINT")
+@store_option
+@json_option
+def agent_show(checkpoint_id, store_path, as_json):
+    """One checkpoint: its record, execution state and messages.
+
+    \b
+    Example:
+      BLOCKDIFF_AGENT_KEY=... blockdiff agent show --store S 6050da99569807ab
+    """
+    import dataclasses
+    import json
+
+    from blockdiff.agent.sealing import Codec
+
+    codec = Codec()
+    db = _agent_db(store_path, codec)
+    cp = db.checkpoint(checkpoint_id)
+    checkpoint_id = cp.id   # a prefix resolved
+    state_blob, messages_blob = db.contents(checkpoint_id)
+    record = dataclasses.asdict(cp) | {
+        "state": codec.decode(state_blob, f"checkpoint {checkpoint_id} state"),
+        "messages": codec.decode(messages_blob, f"checkpoint {checkpoint_id} messages")}
+    if as_json:
+        return emit_json(record)
+    for key in ("id", "thread", "parent", "step", "reason", "disk_snapshot"):
+        click.echo(f"{key + ':':15}" + printable(record[key]))
+    # JSON, not Python's repr; ASCII, so nothing in it reaches the terminal raw.
+    click.echo(f"{'meta:':15}" + ("(sealed; give the key to read it)" if cp.meta is None
+                                  else json.dumps(cp.meta, sort_keys=True)))
+    click.echo(f"{'created:':15}{when(cp.created)}   expires: {when(cp.expires)}")
+    click.echo("state:\n" + json.dumps(record["state"], indent=2))
+    click.echo(f"messages: {len(record['messages'])}")
+    for m in record["messages"][-10:]:
+        click.echo(f"  {json.dumps(m)}")
+
+
+@agent.command("journal")
+@click.argument("thread")
+@store_option
+@json_option
+def agent_journal(thread, store_path, as_json):
+    """THREAD's tool calls, oldest first: request id, tool, status.
+
+    \b
+    Example:
+      blockdiff agent journal --store S run-42
+    """
+    entries = _agent_db(store_path).journal(thread)
+    if as_json:
+        return emit_records(entries)
+    for e in entries:
+        click.echo(f"{printable(e.request_id)}  {printable(e.tool):16} "
+                   f"{printable(e.status):14} {when(e.started)}")
+
+
+@agent.command("pending")
+@store_option
+@json_option
+def agent_pending(store_path, as_json):
+    """Approvals waiting for a decision, in every thread.
+
+    \b
+    Example:
+      blockdiff agent pending --store S
+    """
+    import json
+
+    from blockdiff.agent.sealing import Codec
+
+    approvals = _agent_db(store_path).approvals(pending_only=True, codec=Codec())
+    if as_json:
+        return emit_records(approvals)
+    if not approvals:
+        click.echo("no pending approvals")
+    for a in approvals:
+        click.echo(f"{printable(a.thread):24} {json.dumps(a.action)}  (asked {when(a.created)}, "
+                   f"expires {when(a.expires)})")
+
+
+def comment_option(command):
+    """-m/--comment: why an approval was decided so."""
+    return click.option("-m", "--comment", default="", help="Why.")(command)
+
+
+def _decide(thread, store_path, decision, comment):
+    approval = _agent_db(store_path).decide(thread, decision, comment=comment)
+    click.echo(f"{printable(thread)}: {approval.decision}; the run continues when the agent "
+               f"resumes it")
+
+
+@agent.command("approve")
+@click.argument("thread")
+@store_option
+@comment_option
+def agent_approve(thread, store_path, comment):
+    """Approve THREAD's pending action.
+
+    \b
+    Example:
+      blockdiff agent approve --store S run-42 -m "ok to charge"
+    """
+    _decide(thread, store_path, "approved", comment)
+
+
+@agent.command("reject")
+@click.argument("thread")
+@store_option
+@comment_option
+def agent_reject(thread, store_path, comment):
+    """Reject THREAD's pending action.
+
+    \b
+    Example:
+      blockdiff agent reject --store S run-42 -m "too expensive"
+    """
+    _decide(thread, store_path, "rejected", comment)
+
+
+@agent.command("rewind")
+@click.argument("thread")
+@click.argument("checkpoint_id", metavar="CHECKPOINT")
+@store_option
+@json_option
+def agent_rewind(thread, checkpoint_id, store_path, as_json):
+    """Put THREAD (state and disk) back to CHECKPOINT.
+
+    Effects of tool calls made since are compensated newest first. Those
+    whose compensation needs the agent's own tools are left pending and run
+    when the agent next opens the thread; those that cannot be compensated
+    are listed. CHECKPOINT may be a unique prefix of its id (4 hex digits or more).
+
+    \b
+    Example:
+      blockdiff agent rewind --store S run-42 6050da99569807ab
+    """
+    import dataclasses
+
+    from blockdiff.agent.agent import rewind_thread
+
+    store = open_store(store_path)
+    checkpoint_id = _checkpoint_id(store, checkpoint_id, thread)
+    report = rewind_thread(store, thread, checkpoint_id)
+    if as_json:
+        return emit_json({"thread": thread, "checkpoint": checkpoint_id}
+                         | dataclasses.asdict(report))
+    click.echo(f"{printable(thread)}: rewound to {printable(checkpoint_id)}")
+    for what, items in (("compensated", report.compensated),
+                        ("compensation pending (runs when the agent resumes)", report.pending),
+                        ("cannot be compensated", report.uncompensable)):
+        for item in items:
+            click.echo(f"  {what}: {printable(item)}")
+
+
+@agent.command("fork")
+@click.argument("thread")
+@click.argument("checkpoint_id", metavar="CHECKPOINT")
+@click.argument("new_thread", metavar="NEW_THREAD")
+@store_option
+@json_option
+def agent_fork(thread, checkpoint_id, new_thread, store_path, as_json):
+    """Start NEW_THREAD from THREAD's CHECKPOINT, with a disk of its own.
+
+    \b
+    Example:
+      blockdiff agent fork --store S run-42 6050da99569807ab run-42b
+    """
+    from blockdiff.agent.agent import fork_thread
+
+    store = open_store(store_path)
+    checkpoint_id = _checkpoint_id(store, checkpoint_id, thread)
+    head = fork_thread(store, thread, checkpoint_id, new_thread)
+    if as_json:
+        return emit_json({"thread": new_thread, "forked_from": checkpoint_id, "head": head})
+    click.echo(f"{printable(new_thread)}: forked from {printable(checkpoint_id)}; head {head}")
+
+
+@agent.command("gc")
+@store_option
+@dry_run_option
+@json_option
+def agent_gc(store_path, dry_run, as_json):
+    """Remove expired checkpoints and the disk snapshots only they used.
+
+    A thread's head and a checkpoint an approval waits at are kept.
+
+    \b
+    Example:
+      blockdiff agent gc --store S --dry-run
+    """
+    removed = _agent_db(store_path).gc(dry_run=dry_run)
+    if as_json:
+        return emit_json({"removed": as_dicts(removed), "dry_run": dry_run})
+    verb = "would remove" if dry_run else "removed"
+    for c in removed:
+        click.echo(f"{verb} {printable(c.id)}  [{printable(c.thread)}] step {c.step}: "
+                   f"{printable(c.reason)}")
+    click.echo(f"{verb} {len(removed)} expired checkpoint(s)")
+
+
+@agent.command("keygen")
+def agent_keygen():
+    """Print a new key for encrypting agent state (AES-256-GCM).
+
+    \b
+    Example:
+      export BLOCKDIFF_AGENT_KEY=$(blockdiff agent keygen)
+    """
+    from blockdiff.agent.sealing import new_key
+
+    click.echo(new_key())
+
+
+COMMANDS = (agent,)

@@ -1,0 +1,264 @@
+"""The ``vm`` commands: sandbox VMs (QEMU) whose disks live in a store."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from blockdiff.cli.errors import fail
+from blockdiff.cli.options import (
+    json_option,
+    message_option,
+    meta_option,
+    open_store,
+    store_option,
+    ttl_option,
+)
+from blockdiff.cli.output import emit_json, emit_records, printable
+
+
+@click.group()
+def vm():
+    """Sandbox VMs (QEMU) whose disks are snapshotted into a store.
+
+    \b
+    Example:
+      export BLOCKDIFF_STORE=/srv/sandboxes/store
+      blockdiff vm build-image /srv/sandboxes/image
+      blockdiff vm create box --image /srv/sandboxes/image/rootfs.img
+      blockdiff vm start box
+      blockdiff vm exec box -- sh -c 'echo v1 > /root/app'
+      blockdiff vm snapshot box -m "write app"
+    """
+
+
+def _sandbox(store_path, name):
+    from blockdiff.vm.sandbox import Sandbox
+
+    return Sandbox(open_store(store_path), name)
+
+
+@vm.command("build-image")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--kernel-package", default="linux-image-cloud-amd64", show_default=True,
+              help="Debian kernel package to boot.")
+@click.option("--kernel-image", type=click.Path(dir_okay=False, exists=True),
+              help="A kernel of your own (bzImage) instead of a Debian package.")
+@click.option("--modules", type=click.Path(file_okay=False, exists=True),
+              help="With --kernel-image: its lib/modules/<release> directory (drivers not "
+                   "found there are taken to be built in).")
+@click.option("--disk-size", default=1024, show_default=True, help="Root disk size in MiB.")
+@click.option("--force", is_flag=True, help="Rebuild even if the inputs have not changed.")
+def vm_build_image(directory, kernel_package, kernel_image, modules, disk_size, force):
+    """Build a bootable sandbox image in DIRECTORY from Debian packages.
+
+    Writes vmlinuz, initrd.img, rootfs.img (raw ext4) and manifest.json. Cached:
+    nothing is rebuilt while the inputs stay the same.
+
+    \b
+    Example:
+      blockdiff vm build-image ~/.cache/blockdiff/vm
+    """
+    from blockdiff.vm.image import build_image
+
+    built = build_image(directory, kernel_package=kernel_package, kernel_image=kernel_image,
+                        modules=modules, disk_size=disk_size * 1024 * 1024, force=force)
+    kernel = built.manifest["kernel"]
+    click.echo(f"{directory}: {'up to date' if built.cached else 'built'} "
+               f"(kernel {kernel['release']}, {kernel['name']} {kernel['version']})".rstrip())
+
+
+@vm.command("create")
+@click.argument("name")
+@store_option
+@click.option("--image", type=click.Path(dir_okay=False, exists=True),
+              help="Raw disk image to start from (copied; reflinked when it can be).")
+@click.option("--from", "snapshot_id", metavar="ID", help="Store snapshot to start from.")
+@click.option("--kernel", type=click.Path(file_okay=False, exists=True),
+              help="Directory with vmlinuz and initrd.img (default: the image's directory, "
+                   "or the kernel the snapshot was taken with).")
+@click.option("--memory", default=256, show_default=True, help="Memory in MiB.")
+@click.option("--cpus", default=1, show_default=True)
+def vm_create(name, store_path, image, snapshot_id, kernel, memory, cpus):
+    """Make sandbox VM NAME (stopped) from a raw image or a snapshot.
+
+    \b
+    Example:
+      blockdiff vm create box --store S --image vm/rootfs.img
+      blockdiff vm create box2 --store S --from 3f2a9c0d1e2b4a5c
+    """
+    from blockdiff.vm.sandbox import Sandbox
+
+    Sandbox.create(open_store(store_path), name, image=image, snapshot=snapshot_id,
+                   kernel=kernel, memory_mb=memory, cpus=cpus)
+    click.echo(f"created VM {name}")
+
+
+@vm.command("start")
+@click.argument("name")
+@store_option
+@click.option("--timeout", default=120.0, show_default=True, help="Seconds to wait for the boot.")
+def vm_start(name, store_path, timeout):
+    """Boot VM NAME in the background; return when it runs commands.
+
+    \b
+    Example:
+      blockdiff vm start box
+    """
+    box = _sandbox(store_path, name)
+    box.start(timeout=timeout)
+    click.echo(f"VM {name} running ({box.status().accel})")
+
+
+@vm.command("exec", context_settings={"ignore_unknown_options": True})
+@click.argument("name")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@store_option
+@click.option("--timeout", type=float, help="Kill the command after this many seconds.")
+@click.option("-i", "--stdin", "pass_stdin", is_flag=True, help="Pass this process's stdin.")
+@click.option("--cwd", default="/", show_default=True, help="Directory to run in.")
+def vm_exec(name, command, store_path, timeout, pass_stdin, cwd):
+    """Run COMMAND in VM NAME; exit with its status.
+
+    \b
+    Example:
+      blockdiff vm exec box -- sh -c 'echo hello > /root/greeting'
+    """
+    data = sys.stdin.buffer.read() if pass_stdin else b""
+    result = _sandbox(store_path, name).exec(list(command), timeout=timeout, input=data, cwd=cwd)
+    sys.stdout.buffer.write(result.stdout)
+    sys.stdout.flush()
+    sys.stderr.buffer.write(result.stderr)
+    if result.truncated:
+        click.echo("blockdiff: output was cut at 16 MiB per stream", err=True)
+    if result.timed_out:
+        fail(f"{command[0]} was killed after {timeout:g} s", 124)
+    sys.exit(result.status)
+
+
+@vm.command("snapshot")
+@click.argument("name")
+@store_option
+@message_option
+@meta_option
+@ttl_option
+@json_option
+def vm_snapshot(name, store_path, message, meta, ttl, as_json):
+    """Snapshot VM NAME's disk (pausing it briefly); print the id last.
+
+    \b
+    Example:
+      blockdiff vm snapshot box -m "pip install" --meta step=3
+    """
+    import dataclasses
+
+    box = _sandbox(store_path, name)
+    snapshot_id = box.checkpoint(message, meta, ttl=ttl)
+    t = box.last_checkpoint
+    if as_json:
+        return emit_json({"id": snapshot_id, "vm": name,
+                          "timing": None if t is None else dataclasses.asdict(t)})
+    if t:
+        click.echo(f"paused {t.paused * 1000:.1f} ms (freeze {t.freeze * 1000:.1f} ms)")
+    click.echo(snapshot_id)
+
+
+@vm.command("restore")
+@click.argument("name")
+@click.argument("snapshot_id", metavar="ID")
+@store_option
+@json_option
+def vm_restore(name, snapshot_id, store_path, as_json):
+    """Put VM NAME's disk back to snapshot ID (a running VM keeps running).
+
+    A running VM's processes end and its disk is swapped under it, without a
+    reboot; a stopped VM stays stopped.
+
+    \b
+    Example:
+      blockdiff vm restore box 3f2a9c0d1e2b4a5c
+    """
+    import dataclasses
+
+    box = _sandbox(store_path, name)
+    snapshot_id = box.store.resolve(snapshot_id)
+    result = box.restore(snapshot_id)
+    if as_json:
+        return emit_json({"vm": name, "snapshot": snapshot_id, "running": box.running}
+                         | dataclasses.asdict(result))
+    how = "rebooted" if result.rebooted else "running" if box.running else "stopped"
+    click.echo(f"VM {name} at {snapshot_id} ({how}, {result.seconds * 1000:.0f} ms)")
+
+
+@vm.command("fork")
+@click.argument("name")
+@click.argument("snapshot_id", metavar="ID")
+@click.argument("new_name", metavar="NEWNAME")
+@store_option
+@click.option("--no-start", is_flag=True, help="Leave the new VM stopped.")
+@json_option
+def vm_fork(name, snapshot_id, new_name, store_path, no_start, as_json):
+    """Make VM NEWNAME, like NAME, from snapshot ID, and start it.
+
+    \b
+    Example:
+      blockdiff vm fork box 3f2a9c0d1e2b4a5c box-b
+    """
+    box = _sandbox(store_path, name)
+    snapshot_id = box.store.resolve(snapshot_id)
+    box.fork(snapshot_id, new_name, start=not no_start)
+    if as_json:
+        return emit_json({"vm": new_name, "forked_from": snapshot_id, "running": not no_start})
+    click.echo(f"VM {new_name} forked from {snapshot_id}" + ("" if no_start else ", running"))
+
+
+@vm.command("stop")
+@click.argument("name")
+@store_option
+def vm_stop(name, store_path):
+    """Shut VM NAME down (cleanly; killed if it does not power off).
+
+    \b
+    Example:
+      blockdiff vm stop box
+    """
+    _sandbox(store_path, name).stop()
+    click.echo(f"VM {name} stopped")
+
+
+@vm.command("rm")
+@click.argument("name")
+@store_option
+def vm_rm(name, store_path):
+    """Stop VM NAME and delete it; its snapshots stay in the store.
+
+    \b
+    Example:
+      blockdiff vm rm box
+    """
+    _sandbox(store_path, name).destroy()
+    click.echo(f"removed VM {name}")
+
+
+@vm.command("ls")
+@store_option
+@json_option
+def vm_ls(store_path, as_json):
+    """List the store's VMs: state, accelerator, the snapshot each descends from.
+
+    \b
+    Example:
+      blockdiff vm ls --json
+    """
+    from blockdiff.vm.sandbox import Sandbox
+
+    statuses = [box.status() for box in Sandbox.list(open_store(store_path))]
+    if as_json:
+        return emit_records(statuses)
+    for s in statuses:
+        state = f"running (pid {s.pid}, {s.accel})" if s.running else "stopped"
+        click.echo(f"{printable(s.name):20} {state:28} {printable(s.snapshot)}")
+
+
+COMMANDS = (vm,)
