@@ -22,12 +22,9 @@ the thread is rewound past them or its run fails.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import socket
-import sqlite3
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -35,16 +32,12 @@ from pathlib import Path
 
 from blockdiff.agent.disks import Disk, ImageDisk
 from blockdiff.agent.model import (
-    FORMAT_VERSION,
     AgentDB,
     Approval,
     Checkpoint,
     CheckpointResult,
     Compensation,
-    _owner,
-    _owner_alive,
-    _unknown_checkpoint,
-    _unknown_thread,
+    process_owner,
 )
 from blockdiff.agent.sealing import Codec
 from blockdiff.errors import (
@@ -59,7 +52,7 @@ from blockdiff.errors import (
     UsageError,
 )
 from blockdiff.store.retention import check_duration
-from blockdiff.store.store import Store, open_store
+from blockdiff.store.store import Store, as_store
 
 # What callers import from here, the errors the agent raises included.
 __all__ = [
@@ -85,7 +78,6 @@ TRACE_POINTS = (
 NOT_APPLIED = object()  # a tool's check: "that request never took effect"
 
 
-
 class NotApplied(Exception):
     """Raised by a tool whose call failed without taking effect (a declined
     payment, a rejected request). Any other exception leaves the call in
@@ -101,9 +93,6 @@ class ApprovalPending(Exception):
         super().__init__(f"thread {thread} waits for approval of {json.dumps(action)}; "
                          f"approve or reject it with: blockdiff agent approve|reject {thread}")
         self.thread, self.approval_id, self.action = thread, approval_id, action
-
-
-# ------------------------------------------------------------------ model
 
 
 @dataclass(frozen=True)
@@ -130,7 +119,6 @@ class Tool:
     high_risk: bool = False
 
 
-
 def _new_id() -> str:
     return os.urandom(8).hex()
 
@@ -138,14 +126,6 @@ def _new_id() -> str:
 def request_id(base: str, position: int, kind: str = "call") -> str:
     """The id of the ``position``-th call of the step that began at ``base``."""
     return hashlib.sha256(f"{base}/{kind}/{position}".encode()).hexdigest()[:32]
-
-
-
-# --------------------------------------------------------------- database
-
-
-
-# ------------------------------------------------------------------ agent
 
 
 def disk_binding(disk) -> str | None:
@@ -169,6 +149,19 @@ def bound_disk(store: Store, binding: str | None) -> Disk | None:
         return None
     kind, _, where = binding.partition(":")
     return Sandbox(store, where) if kind == "vm" else ImageDisk(store, where)
+
+
+def _disk_snapshot(disk: Disk | None, thread_id: str, reason: str,
+                   parent: Checkpoint | None) -> str | None:
+    """The disk snapshot of a new agent checkpoint of ``thread_id``: the disk
+    committed (a new snapshot only if it changed), or without a disk the
+    parent's."""
+    if disk is None:
+        return parent.disk_snapshot if parent else None
+    # No TTL on the disk snapshot: the store's gc does not know which one a
+    # thread's head needs; AgentDB.gc removes them.
+    return disk.checkpoint(f"agent {thread_id}: {reason}", {"agent.thread": thread_id},
+                           skip_unchanged=True)
 
 
 def _canonical(value) -> bytes:
@@ -199,7 +192,7 @@ class Agent:
             raise UsageError(f"bad thread id {thread_id!r}")
         if ttl is not None:
             ttl = check_duration(ttl, "ttl")
-        self.store = store if isinstance(store, Store) else open_store(store)
+        self.store = as_store(store)
         self.codec = Codec(key, secrets=secrets, redactor=redactor)
         self.db = AgentDB(self.store, self.codec)
         self._closed = False
@@ -208,12 +201,13 @@ class Agent:
         self.tools = {t.name: t for t in tools}
         self.ttl = ttl
         self.lease = lease
-        self.owner = _owner()
+        self.owner = process_owner()
         self.trace = trace or (lambda point: None)
         self._step: Step | None = None
         self._approvals_asked: tuple[str | None, int] = (None, -1)
         try:
-            self._acquire(create)
+            status_at_open = self.db.acquire(thread_id, self.owner, lease,
+                                             binding=disk_binding(disk), create=create)
         except BaseException:
             self.db.close()
             raise
@@ -230,11 +224,11 @@ class Agent:
                     if head.disk_snapshot:
                         self.disk.restore(head.disk_snapshot)
             report = self.run_pending_compensations()
-            if self._status_at_open in ("failing", "failed") and not reopen_failed:
-                if self._status_at_open == "failing" and not report.pending:
+            if status_at_open in ("failing", "failed") and not reopen_failed:
+                if status_at_open == "failing" and not report.pending:
                     self.close("failed")
                 else:
-                    self.close(self._status_at_open)
+                    self.close(status_at_open)
                 raise ThreadFailed(f"thread {thread_id} failed and its effects were compensated"
                                    + (f" ({len(report.pending)} compensations still need the "
                                       f"agent's tools)" if report.pending else "")
@@ -243,50 +237,12 @@ class Agent:
             self.close()
             raise
 
-    # ------------------------------------------------------------- lease
-
-    def _acquire(self, create: bool) -> None:
-        now = time.time()
-        with self.db.transaction() as db:
-            row = db.execute("SELECT owner, lease_until FROM threads WHERE id = ?",
-                             (self.thread_id,)).fetchone()
-            if row is None:
-                if not create:
-                    raise _unknown_thread(self.thread_id, self.store.root)
-                self._status_at_open = "new"
-                db.execute("INSERT INTO threads (id, created, status, owner, lease_until, disk) "
-                           "VALUES (?, ?, 'running', ?, ?, ?)",
-                           (self.thread_id, now, self.owner, now + self.lease,
-                            disk_binding(self.disk)))
-                return
-            owner, until = row
-            self._status_at_open = db.execute("SELECT status FROM threads WHERE id = ?",
-                                              (self.thread_id,)).fetchone()[0]
-            # A live owner on this host keeps the thread however long its step
-            # takes; one on another host cannot be seen, so its lease decides.
-            local = owner is not None and owner.rsplit(":", 2)[0] == socket.gethostname()
-            if owner and owner != self.owner and _owner_alive(owner) and (
-                    local or (until or 0) > now):
-                raise ThreadBusy(f"thread {self.thread_id} is being run by {owner}; refusing to "
-                                 f"run it twice (wait for it, or for its lease to end)")
-            binding = disk_binding(self.disk)
-            db.execute("UPDATE threads SET owner = ?, lease_until = ?, status = 'running', "
-                       "disk = COALESCE(?, disk) WHERE id = ?",
-                       (self.owner, now + self.lease, binding, self.thread_id))
-
-    def _release(self, status: str | None = None) -> None:
-        with contextlib.suppress(sqlite3.Error):
-            with self.db.transaction() as db:
-                db.execute("UPDATE threads SET owner = NULL, lease_until = NULL, "
-                           "status = COALESCE(?, CASE status WHEN 'running' THEN 'idle' "
-                           "ELSE status END) WHERE id = ? AND owner = ?",
-                           (status, self.thread_id, self.owner))
-
     def close(self, status: str | None = None) -> None:
+        """Let go of the thread (its lease ends; ``status``, default idle) and the database."""
         if self._closed:
             return
         self._closed = True
-        self._release(status)
+        self.db.release(self.thread_id, self.owner, status)
         self.db.close()
 
     def __enter__(self) -> "Agent":
@@ -300,13 +256,8 @@ class Agent:
 
     # ------------------------------------------------------------- state
 
-    def _context(self, checkpoint_id: str, what: str) -> str:
-        return f"checkpoint {checkpoint_id} {what}"
-
     def _load(self, checkpoint_id: str) -> None:
-        state, messages = self.db.contents(checkpoint_id)
-        self.state = self.codec.decode(state, self._context(checkpoint_id, "state"))
-        self.messages = self.codec.decode(messages, self._context(checkpoint_id, "messages"))
+        self.state, self.messages = self.db.load(checkpoint_id)
 
     def checkpoint(self, reason: str = "manual", meta: dict | None = None) -> CheckpointResult:
         """Record the state, the messages and the disk as a new node after the
@@ -315,80 +266,31 @@ class Agent:
             raise AgentError("checkpoints are taken between steps; this one is inside a step")
         return self._checkpoint(reason, meta or {})
 
-    def _checkpoint(self, reason: str, meta: dict, *, parent: str | None = None,
-                    thread: str | None = None, force: bool = False) -> CheckpointResult:
+    def _checkpoint(self, reason: str, meta: dict, *, force: bool = False) -> CheckpointResult:
         start = time.monotonic()
-        parent = self.head if parent is None else parent
-        thread = thread or self.thread_id
-        head = self.db.checkpoint(parent) if parent else None
-        disk_snapshot, disk_seconds = None, 0.0
+        head = self.db.checkpoint(self.head) if self.head else None
+        disk_started = time.monotonic()
+        disk_snapshot = _disk_snapshot(self.disk, self.thread_id, reason, head)
+        disk_seconds = 0.0
         if self.disk is not None:
-            t = time.monotonic()
-            disk_snapshot = self.disk.checkpoint(
-                # No TTL on the disk snapshot: the store's gc does not know
-                # which one a thread's head needs; AgentDB.gc removes them.
-                f"agent {thread}: {reason}", {"agent.thread": thread},
-                skip_unchanged=True)
-            disk_seconds = time.monotonic() - t
+            disk_seconds = time.monotonic() - disk_started
             self.trace("checkpoint.disk")
-        elif head is not None:
-            disk_snapshot = head.disk_snapshot
         # Compared as written: redacted, and keyed when sealed, so that the
         # hash confirms no guess at a secret or a sealed value.
         written = self.codec.serialise(self.state), self.codec.serialise(self.messages)
         content = self.codec.content_hash(*written)
         if (head is not None and not force and head.content_hash == content
                 and head.disk_snapshot == disk_snapshot):
-            self._renew()
+            self.db.renew(self.thread_id, self.owner, self.lease)
             return CheckpointResult(head.id, True, time.monotonic() - start, disk_seconds)
-        with self.db.transaction() as db:
-            checkpoint_id = self._insert_head(db, thread, parent, (head.step + 1) if head else 0,
-                                              reason, content, disk_snapshot, meta, written)
-        if thread == self.thread_id:
-            self.head = checkpoint_id
+        checkpoint_id = _new_id()
+        self.db.record_checkpoint(checkpoint_id, self.thread_id, self.owner, parent=head,
+                                  reason=reason, written=written, content_hash=content,
+                                  disk_snapshot=disk_snapshot, meta=meta, ttl=self.ttl,
+                                  lease=self.lease)
+        self.head = checkpoint_id
         self.trace("checkpoint.recorded")
         return CheckpointResult(checkpoint_id, False, time.monotonic() - start, disk_seconds)
-
-    def _insert_head(self, db, thread: str, parent: str | None, step: int, reason: str,
-                     content_hash: str, disk_snapshot: str | None, meta: dict,
-                     written: tuple[bytes, bytes] | None = None) -> str:
-        """Record the in-memory state and messages (``written``: as already
-        serialised) as ``thread``'s new head, inside the caller's
-        transaction; returns its id."""
-        self._check_owner(db)
-        checkpoint_id, now = _new_id(), time.time()
-        codec = self.codec
-        state, messages = written or (codec.serialise(self.state),
-                                      codec.serialise(self.messages))
-        meta_data = codec.serialise(meta)
-        db.execute(
-            "INSERT INTO checkpoints (id, thread, parent, step, version, created, expires, "
-            "reason, state, messages, content_hash, disk_snapshot, meta) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (checkpoint_id, thread, parent, step, FORMAT_VERSION, now,
-             now + self.ttl if self.ttl else None, reason,
-             codec.seal(state, self._context(checkpoint_id, "state")),
-             codec.seal(messages, self._context(checkpoint_id, "messages")),
-             content_hash, disk_snapshot,
-             # In the clear as JSON text, as before, when nothing is sealed.
-             codec.seal(meta_data, self._context(checkpoint_id, "meta")) if codec.sealing
-             else meta_data.decode()))
-        db.execute("UPDATE threads SET head = ?, lease_until = ? WHERE id = ?",
-                   (checkpoint_id, now + self.lease, thread))
-        return checkpoint_id
-
-    def _check_owner(self, db) -> None:
-        owner = db.execute("SELECT owner FROM threads WHERE id = ?",
-                           (self.thread_id,)).fetchone()[0]
-        if owner != self.owner:
-            raise ThreadBusy(f"thread {self.thread_id} was taken over by {owner} (this process's "
-                             f"lease ended); stopping rather than running it twice")
-
-    def _renew(self) -> None:
-        with self.db.transaction() as db:
-            self._check_owner(db)
-            db.execute("UPDATE threads SET lease_until = ? WHERE id = ?",
-                       (time.time() + self.lease, self.thread_id))
 
     # ------------------------------------------------------------- steps
 
@@ -415,9 +317,8 @@ class Agent:
         # checkpoint would mean a new approval.
         seen_head, count = self._approvals_asked
         again = count + 1 if seen_head == self.head else 0
-        if self.head is None or self.db.db.execute(
-                "SELECT 1 FROM approvals WHERE id = ?",
-                (request_id(self.head, again, "approval"),)).fetchone() is None:
+        if self.head is None or self.db.approval(
+                request_id(self.head, again, "approval")) is None:
             self._checkpoint("approval", {"approval": True})
         # Several approvals asked at one head (nothing changed in between) are
         # told apart by their order, which a replay repeats.
@@ -425,29 +326,19 @@ class Agent:
         count = count + 1 if seen_head == self.head else 0
         self._approvals_asked = (self.head, count)
         approval_id = request_id(self.head, count, "approval")
-        row = self.db.db.execute("SELECT decision, expires FROM approvals WHERE id = ?",
-                                 (approval_id,)).fetchone()
-        if row is None:
-            now = time.time()
-            with self.db.transaction() as db:
-                db.execute("INSERT INTO approvals (id, thread, checkpoint, action, created, "
-                           "expires) VALUES (?, ?, ?, ?, ?, ?)",
-                           (approval_id, self.thread_id, self.head,
-                            self.codec.encode(action, f"approval {approval_id}"), now,
-                            now + ttl if ttl else None))
+        asked = self.db.approval(approval_id)
+        if asked is None:
+            self.db.ask_approval(approval_id, self.thread_id, self.head,
+                                 self.codec.encode(action, f"approval {approval_id}"), ttl)
             self._approvals_asked = (self.head, count - 1)  # asking again means this one
             raise ApprovalPending(self.thread_id, approval_id, action)
-        decision, expires = row
-        if decision is None:
-            if expires is not None and expires <= time.time():
-                with self.db.transaction() as db:
-                    db.execute("UPDATE approvals SET decision = 'expired', decided = ? "
-                               "WHERE id = ? AND decision IS NULL", (time.time(), approval_id))
+        if asked.decision is None:
+            if asked.expires is not None and asked.expires <= time.time():
+                self.db.expire_approval(approval_id)
             else:
                 self._approvals_asked = (self.head, count - 1)
                 raise ApprovalPending(self.thread_id, approval_id, action)
-        return next(a for a in self.db.approvals(self.thread_id, codec=self.codec)
-                    if a.id == approval_id)
+        return self.db.approval(approval_id, codec=self.codec)
 
     # --------------------------------------------------------- the journal
 
@@ -456,33 +347,27 @@ class Agent:
         if tool is None:
             raise UsageError(f"no tool named {tool_name!r} was given to this agent")
         rid = request_id(base, position)
-        context = f"journal {rid}"
-        row = self.db.entry(rid)
-        if row is not None:
-            status, _, result_blob, recorded_tool = row
-            if recorded_tool != tool_name:
-                raise AgentError(f"the step's call #{position} was {recorded_tool} and is now "
+        recorded = self.db.call(rid)
+        if recorded is not None:
+            if recorded.tool != tool_name:
+                raise AgentError(f"the step's call #{position} was {recorded.tool} and is now "
                                  f"{tool_name}: the step is not deterministic, so its journal "
                                  f"cannot be replayed")
-            if status == "done":
-                return self.codec.decode(result_blob, context)
-            if status in ("compensating", "compensated", "uncompensable"):
+            if recorded.status == "done":
+                return self.codec.decode(recorded.result, f"journal {rid}")
+            if recorded.status in ("compensating", "compensated", "uncompensable"):
                 raise AgentError(f"call {rid} ({tool_name}) was compensated; rewind the thread "
                                  f"to continue")
-            if status == "intent":
+            if recorded.status == "intent":
                 settled = self._settle(tool, rid, args)
                 if settled is not NOT_APPLIED:
                     return settled
         else:
-            with self.db.transaction() as db:
-                self._check_owner(db)
-                db.execute(
-                    "INSERT INTO journal (request_id, thread, base, position, tool, args, "
-                    "status, started, compensable, external) "
-                    "VALUES (?, ?, ?, ?, ?, ?, 'intent', ?, ?, ?)",
-                    (rid, self.thread_id, base, position, tool_name,
-                     self.codec.encode(args, context + " args"), time.time(),
-                     int(tool.compensate is not None), int(tool.external)))
+            self.db.record_intent(rid, self.thread_id, self.owner, base=base, position=position,
+                                  tool=tool_name,
+                                  args=self.codec.encode(args, f"journal {rid} args"),
+                                  compensable=tool.compensate is not None,
+                                  external=tool.external)
             self.trace("call.intent")
         return self._run(tool, rid, args)
 
@@ -505,9 +390,7 @@ class Agent:
             result = tool.run(args, rid)
         except NotApplied as e:
             # The tool says it did nothing: the call is as if never made.
-            with self.db.transaction() as db:
-                db.execute("DELETE FROM journal WHERE request_id = ? AND status = 'intent'",
-                           (rid,))
+            self.db.forget_intent(rid)
             raise ToolFailed(f"{tool.name} failed: {e}") from e
         except Exception as e:
             # Any other failure (a timeout, a lost answer) may have taken
@@ -520,72 +403,49 @@ class Agent:
         return result
 
     def _record(self, rid: str, status: str, result) -> None:
-        with self.db.transaction() as db:
-            db.execute("UPDATE journal SET status = ?, result = ?, finished = ? "
-                       "WHERE request_id = ?",
-                       (status, self.codec.encode(result, f"journal {rid}"), time.time(), rid))
+        self.db.record_result(rid, status, self.codec.encode(result, f"journal {rid}"))
 
     # ------------------------------------------------------ compensation
-
-    def _effects_after(self, checkpoint_id: str) -> list[str]:
-        """Request ids of this thread's calls made at or after ``checkpoint_id``
-        on the way to the head, newest first."""
-        path, cursor = [], self.head
-        while cursor and cursor != checkpoint_id:
-            path.append(cursor)
-            cursor = self.db.checkpoint(cursor).parent
-        if cursor != checkpoint_id:
-            raise _unknown_checkpoint(checkpoint_id, f"among the ancestors of thread "
-                                      f"{self.thread_id!r}'s head", self.thread_id)
-        bases = path + [checkpoint_id]
-        marks = ",".join("?" * len(bases))
-        return [r[0] for r in self.db.db.execute(
-            f"SELECT request_id FROM journal WHERE thread = ? AND base IN ({marks}) "
-            f"AND status IN ('done', 'intent', 'compensating') ORDER BY seq DESC",
-            (self.thread_id, *bases))]
 
     def run_pending_compensations(self) -> Compensation:
         """Run the compensations a rewind or a failure left pending (newest
         first); each is journalled and passes the tool the same undo id every
         time, so one interrupted and run again takes effect once."""
         report = Compensation()
-        rows = self.db.db.execute(
-            "SELECT request_id, tool, args, result, status, external, compensable FROM journal "
-            "WHERE thread = ? AND undo = 'pending' ORDER BY seq DESC",
-            (self.thread_id,)).fetchall()
-        for rid, tool_name, args_blob, result_blob, status, external, compensable in rows:
+        for call in self.db.pending_undo(self.thread_id):
+            rid, tool_name = call.request_id, call.tool
             tool = self.tools.get(tool_name)
             context = f"journal {rid}"
-            if not external:
-                self._set_undo(rid, "restored with the disk")
+            if not call.external:
+                self.db.set_call_undo(rid, "restored with the disk")
                 continue
-            if not compensable:
-                self._set_status(rid, "uncompensable")
+            if not call.compensable:
+                self.db.set_call_status(rid, "uncompensable")
                 report.uncompensable.append(f"{tool_name} {rid}")
                 continue
             if tool is None:
                 report.pending.append(f"{tool_name} {rid}")
                 continue
-            args = self.codec.decode(args_blob, context + " args")
-            result = self.codec.decode(result_blob, context) if result_blob else None
-            if status == "intent":
+            args = self.codec.decode(call.args, context + " args")
+            result = self.codec.decode(call.result, context) if call.result else None
+            if call.status == "intent":
                 settled = self._settle_for_undo(tool, rid, args)
                 if settled is None:
-                    self._set_status(rid, "uncompensable")
+                    self.db.set_call_status(rid, "uncompensable")
                     report.uncompensable.append(f"{tool_name} {rid} (in doubt: the tool "
                                                 f"cannot say whether it took effect)")
                     continue
                 if settled is NOT_APPLIED:
-                    self._set_undo(rid, "never took effect")
-                    self._set_status(rid, "compensated")
+                    self.db.set_call_undo(rid, "never took effect")
+                    self.db.set_call_status(rid, "compensated")
                     continue
                 result = settled
-            self._set_status(rid, "compensating")
+            self.db.set_call_status(rid, "compensating")
             self.trace("compensation.intent")
             tool.compensate(args, result, rid + ":undo")
             self.trace("compensation.ran")
-            self._set_status(rid, "compensated")
-            self._set_undo(rid, "done")
+            self.db.set_call_status(rid, "compensated")
+            self.db.set_call_undo(rid, "done")
             report.compensated.append(f"{tool_name} {rid}")
         return report
 
@@ -604,14 +464,6 @@ class Agent:
             self._record(rid, "done", result)
         return result
 
-    def _set_status(self, rid: str, status: str) -> None:
-        with self.db.transaction() as db:
-            db.execute("UPDATE journal SET status = ? WHERE request_id = ?", (status, rid))
-
-    def _set_undo(self, rid: str, undo: str) -> None:
-        with self.db.transaction() as db:
-            db.execute("UPDATE journal SET undo = ? WHERE request_id = ?", (undo, rid))
-
     # ------------------------------------------------------- time travel
 
     def rewind(self, checkpoint_id: str) -> Compensation:
@@ -621,23 +473,22 @@ class Agent:
         get request ids of their own, not those of the undone ones)."""
         if self._step is not None:
             raise AgentError("rewind between steps, not inside one")
-        target = self.db.checkpoint(checkpoint_id, self.thread_id)
+        target = self.db.checkpoint_of_thread(checkpoint_id, self.thread_id)
         checkpoint_id = target.id   # a prefix resolved
-        if target.thread != self.thread_id and checkpoint_id not in {
-                c.id for c in self.db.history(self.thread_id)}:
-            raise _unknown_checkpoint(checkpoint_id, f"in thread {self.thread_id!r}'s history",
-                                      self.thread_id)
         # One transaction marks what to undo and makes the rewound node the
         # head: a process dying anywhere after it resumes at the rewound state
         # (the disk follows the head on open) and finishes the compensations.
-        rids = self._effects_after(checkpoint_id)
+        rids = self.db.effects_since(self.thread_id, self.head, checkpoint_id)
         self._load(checkpoint_id)
-        with self.db.transaction() as db:
-            for rid in rids:
-                db.execute("UPDATE journal SET undo = 'pending' WHERE request_id = ?", (rid,))
-            self.head = self._insert_head(db, self.thread_id, checkpoint_id, target.step + 1,
-                                          f"rewind to {checkpoint_id}", target.content_hash,
-                                          target.disk_snapshot, {"rewound_from": self.head})
+        written = self.codec.serialise(self.state), self.codec.serialise(self.messages)
+        rewound = _new_id()
+        self.db.record_checkpoint(rewound, self.thread_id, self.owner, parent=target,
+                                  reason=f"rewind to {checkpoint_id}", written=written,
+                                  content_hash=target.content_hash,
+                                  disk_snapshot=target.disk_snapshot,
+                                  meta={"rewound_from": self.head}, ttl=self.ttl,
+                                  lease=self.lease, undo=rids)
+        self.head = rewound
         self.trace("rewind.marked")
         if self.disk is not None and target.disk_snapshot:
             self.disk.restore(target.disk_snapshot)
@@ -650,20 +501,15 @@ class Agent:
         if not history:
             return Compensation()
         target = to or history[-1].id
-        rids = self._effects_after(target)
-        # 'failing' first, with what to undo, in one transaction: a process
-        # dying during the compensations leaves a thread that, opened again,
-        # finishes them and ends failed instead of carrying on.
-        with self.db.transaction() as db:
-            for rid in rids:
-                db.execute("UPDATE journal SET undo = 'pending' WHERE request_id = ?", (rid,))
-            db.execute("UPDATE threads SET status = 'failing' WHERE id = ?", (self.thread_id,))
+        self.db.mark_failing(self.thread_id, self.db.effects_since(self.thread_id, self.head,
+                                                                    target))
         self.trace("rewind.marked")
         report = self.run_pending_compensations()
         self.close("failed")
         return report
 
     def history(self) -> list[Checkpoint]:
+        """The thread's checkpoints from the head back, newest first."""
         return self.db.history(self.thread_id)
 
 
@@ -731,30 +577,29 @@ def fork_thread(store: Store, thread_id: str, checkpoint_id: str, new_thread: st
     """A new thread starting from ``checkpoint_id`` of ``thread_id``, with a
     disk of its own forked from that checkpoint's disk snapshot. Returns the
     new thread's first checkpoint."""
-    db = AgentDB(store)
-    try:
+    codec = Codec(key)
+    with AgentDB(store, codec) as db:
         source = db.thread(thread_id)
-        target = db.checkpoint(checkpoint_id, thread_id)
-        checkpoint_id = target.id   # a prefix resolved
-        if checkpoint_id not in {c.id for c in db.history(thread_id)} and (
-                target.thread != thread_id):
-            raise _unknown_checkpoint(checkpoint_id, f"in thread {thread_id!r}", thread_id)
-        with contextlib.suppress(UnknownThread):
-            db.thread(new_thread)
-            raise AgentError(f"thread {new_thread} already exists")
-        state_blob, messages_blob = db.contents(checkpoint_id)
-    finally:
-        db.close()
-    disk = _fork_disk(store, source.disk, target.disk_snapshot, new_thread)
-    with Agent(store, new_thread, disk=disk, key=key) as agent:
-        agent.state = agent.codec.decode(state_blob, f"checkpoint {checkpoint_id} state")
-        agent.messages = agent.codec.decode(messages_blob, f"checkpoint {checkpoint_id} messages")
-        with agent.db.transaction() as tx:
-            tx.execute("UPDATE threads SET forked_from = ? WHERE id = ?",
-                       (checkpoint_id, new_thread))
-        return agent._checkpoint(f"fork of {thread_id} at {checkpoint_id}",
-                                 {"forked_from": checkpoint_id}, parent=checkpoint_id,
-                                 force=True).id
+        target = db.checkpoint_of_thread(checkpoint_id, thread_id)
+        # Before the disk is forked: a fork's disk is named after the thread.
+        db.require_new_thread(new_thread)
+        state, messages = db.load(target.id)
+        disk = _fork_disk(store, source.disk, target.disk_snapshot, new_thread)
+        owner = process_owner()
+        db.create_thread(new_thread, owner, DEFAULT_LEASE, binding=disk_binding(disk),
+                         forked_from=target.id)
+        try:
+            reason = f"fork of {thread_id} at {target.id}"
+            written = codec.serialise(state), codec.serialise(messages)
+            head = _new_id()
+            db.record_checkpoint(head, new_thread, owner, parent=target, reason=reason,
+                                 written=written, content_hash=codec.content_hash(*written),
+                                 disk_snapshot=_disk_snapshot(disk, new_thread, reason, target),
+                                 meta={"forked_from": target.id}, ttl=None,
+                                 lease=DEFAULT_LEASE)
+        finally:
+            db.release(new_thread, owner)
+    return head
 
 
 def _fork_disk(store: Store, binding: str | None, snapshot: str | None, new_thread: str):
@@ -775,11 +620,8 @@ def rewind_thread(store: Store, thread_id: str, checkpoint_id: str, *, key=None)
     """:meth:`Agent.rewind` from a process without the agent's tools: the
     state and disk go back now; compensations that need the tools are left
     pending and run when the agent next opens the thread."""
-    info = AgentDB(store)
-    try:
-        binding = info.thread(thread_id).disk
-    finally:
-        info.close()
+    with AgentDB(store) as db:
+        binding = db.thread(thread_id).disk
     disk = bound_disk(store, binding)
     with Agent(store, thread_id, disk=disk, key=key, create=False, reopen_failed=True) as agent:
         return agent.rewind(checkpoint_id)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Protocol
 
-from blockdiff.store.store import Store, open_store
+from blockdiff.store.store import Store, as_store
 
 
 class Disk(Protocol):
@@ -23,7 +23,7 @@ class ImageDisk:
     """A disk image file on the store's filesystem."""
 
     def __init__(self, store: Store | str | os.PathLike, path: str | os.PathLike):
-        self.store = store if isinstance(store, Store) else open_store(store)
+        self.store = as_store(store)
         self.path = os.fspath(path)
 
     def checkpoint(self, message: str = "", meta: dict | None = None, ttl: float | None = None,

@@ -32,7 +32,7 @@ from pathlib import Path
 from blockdiff.engine.files import copy_file
 from blockdiff.errors import GuestError, UsageError, VMError
 from blockdiff.store.catalog import Snapshot
-from blockdiff.store.store import Store, open_store
+from blockdiff.store.store import Store, as_store
 from blockdiff.vm.guestlink import THAW, ExecResult, GuestLink
 from blockdiff.vm.machine import DEFAULT_BOOT_TIMEOUT, Machine
 from blockdiff.vm.registry import Registry, check_name
@@ -73,16 +73,12 @@ class VMStatus:
     accel: str | None
 
 
-def _opened(store: Store | str | os.PathLike) -> Store:
-    return store if isinstance(store, Store) else open_store(store)
-
-
 class Sandbox:
     """One sandbox VM. Use it as a context manager: the VM is stopped on exit
     (and its directory removed if it was created ``ephemeral``)."""
 
     def __init__(self, store: Store | str | os.PathLike, name: str):
-        self.store = _opened(store)
+        self.store = as_store(store)
         self.registry = Registry(self.store)
         self.vm = self.registry.entry(name)
         self.machine = Machine(self.vm)
@@ -111,7 +107,7 @@ class Sandbox:
         ``kernel`` is a directory holding ``vmlinuz`` and ``initrd.img`` (made by
         ``blockdiff vm build-image``); by default the image's own directory, or
         the kernel the snapshot was taken with."""
-        store = _opened(store)
+        store = as_store(store)
         check_name(name)
         if (image is None) == (snapshot is None):
             raise UsageError("give exactly one of an image (--image) or a snapshot (--from)")
@@ -149,7 +145,7 @@ class Sandbox:
     @staticmethod
     def list(store: Store | str | os.PathLike) -> list["Sandbox"]:
         """Every VM of the store, by name."""
-        store = _opened(store)
+        store = as_store(store)
         return [Sandbox(store, name) for name in Registry(store).names()]
 
     # ------------------------------------------------------------- state
