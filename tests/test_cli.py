@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from blockdiff.engine import diff as engine
+from blockdiff.engine.extents import DATA, ZERO
 from scenarios import SCENARIOS, assert_same_bytes, make_base_image
 
 BLOCK = 4096
@@ -81,6 +82,28 @@ def test_create_apply_view_round_trip(pair):
     image = json.loads(run("view", target, "--json").stdout)
     assert image["type"] == "extent_map" and image["extent_count"] >= 1
     assert "Extents:" in run("view", target).stdout
+
+
+def test_create_and_apply_json_say_what_they_did(pair):
+    directory, base, target, _, _ = pair
+    created = json.loads(run("create", directory / "j.bdiff", target, "--base", base,
+                             "--json").stdout)
+    expected = engine.read_diff(directory / "j.bdiff")
+    assert created["path"] == str(directory / "j.bdiff") and created["version"] == 2
+    assert created["ranges"] == len(expected.ranges) and created["method"] == "extents"
+    assert created["data_bytes"] == expected.ranges.bytes_of(DATA) > 0
+    assert created["zero_bytes"] == expected.ranges.bytes_of(ZERO)
+    assert created["target_size"] == os.path.getsize(target)
+    assert created["base_size"] == os.path.getsize(base)
+    assert 0 < created["reflinked"] <= created["ranges"]
+    assert created["target_id"] == expected.target_id.hex()
+    applied = json.loads(run("apply", directory / "j.bdiff", directory / "j.img", "--base", base,
+                             "--json").stdout)
+    assert applied == {"path": str(directory / "j.img"), "version": 2,
+                       "target_size": created["target_size"], "ranges": created["ranges"],
+                       "data_bytes": created["data_bytes"], "zero_bytes": created["zero_bytes"],
+                       "base_reflinked": True, "reflinked": applied["reflinked"]}
+    assert_same_bytes(directory / "j.img", target)
 
 
 def test_quiet_prints_nothing(pair):

@@ -8,6 +8,18 @@ from blockdiff.cli.options import json_option, quiet_option
 from blockdiff.cli.output import echo_notes, emit_json, human_size
 
 
+def _result_record(result) -> dict:
+    """A create or apply result for --json: its fields, the target id as hex
+    (null if none), the notes left on stderr, where they were written."""
+    import dataclasses
+
+    record = dataclasses.asdict(result)
+    del record["notes"]
+    if "target_id" in record:   # 16 zero bytes: no id recorded
+        record["target_id"] = record["target_id"].hex() if any(record["target_id"]) else None
+    return record
+
+
 @click.command()
 @click.argument("out", type=click.Path(dir_okay=False))
 @click.argument("target", type=click.Path(dir_okay=False))
@@ -19,7 +31,8 @@ from blockdiff.cli.output import echo_notes, emit_json, human_size
               help="v2: also record a digest of the whole base (read in full), which "
                    "apply --verify-base checks.")
 @quiet_option
-def create(out, target, base, fmt, base_digest, quiet):
+@json_option
+def create(out, target, base, fmt, base_digest, quiet, as_json):
     """Write a diff of TARGET against BASE to OUT.
 
     Changed blocks are found from the filesystem's extent maps and reflinked
@@ -33,7 +46,9 @@ def create(out, target, base, fmt, base_digest, quiet):
 
     result = create_diff(out, target, base, format=fmt, base_digest=base_digest)
     echo_notes(result.notes)
-    if not quiet:
+    if as_json:
+        emit_json(_result_record(result))
+    elif not quiet:
         click.echo(f"{out}: {fmt}, {result.ranges} ranges, {human_size(result.data_bytes)} data, "
                    f"{human_size(result.zero_bytes)} zeros, target "
                    f"{human_size(result.target_size)} ({result.method}, {result.reflinked} "
@@ -49,7 +64,8 @@ def create(out, target, base, fmt, base_digest, quiet):
               help="Also read the whole base and compare it with the digest the diff records "
                    "(a diff made with create --base-digest).")
 @quiet_option
-def apply(diff, target, base, verify_base, quiet):
+@json_option
+def apply(diff, target, base, verify_base, quiet, as_json):
     """Rebuild TARGET from BASE and the diff IN.
 
     The diff (checksums) and the base (size, sampled fingerprint, snapshot id;
@@ -64,7 +80,9 @@ def apply(diff, target, base, verify_base, quiet):
 
     result = apply_diff(diff, target, base, verify_base=verify_base)
     echo_notes(result.notes)
-    if not quiet:
+    if as_json:
+        emit_json(_result_record(result))
+    elif not quiet:
         click.echo(f"{target}: {human_size(result.target_size)} from v{result.version} diff, "
                    f"{result.ranges} ranges ({result.reflinked} reflinked)")
 
