@@ -65,3 +65,28 @@ def test_demo_passes_under_python_O(xfs):
     assert "restore every step 0-3" in proc.stdout
     assert proc.stdout.rstrip().endswith("all snapshots, restores and forks verified byte for "
                                          "byte")
+
+
+def test_a_scratch_filesystem_that_cannot_be_made_is_one_line_not_a_traceback(xfs, tmp_path):
+    """The demo's own XFS fails to format (an mkfs.xfs that refuses, first on
+    PATH): status 1, one line naming the tool, nothing mounted or left."""
+    import os
+
+    from blockdiff.demo import scratch
+
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "mkfs.xfs").write_text("#!/bin/sh\necho 'no space for the log' >&2\nexit 1\n")
+    (tools / "mkfs.xfs").chmod(0o755)
+    work = tmp_path / "tmp"
+    work.mkdir()
+    env = dict(os.environ, PATH=f"{tools}{os.pathsep}{os.environ['PATH']}", TMPDIR=str(work))
+    proc = subprocess.run([sys.executable, "-m", "blockdiff", "demo", "--size", "16",
+                           "--steps", "1", "--no-vm"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert "mkfs.xfs" in proc.stderr and "no space for the log" in proc.stderr
+    assert [p for p in work.rglob("*") if not p.is_dir()] == []      # no backing file left
+    with open("/proc/mounts") as mounts:
+        assert str(work) not in mounts.read()
+    assert not scratch.cleanup_stale_mounts(work / "blockdiff-scratch")
