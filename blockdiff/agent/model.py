@@ -1,7 +1,12 @@
-"""The agent's records and the database that holds them: threads, agent
+"""The agent's records and all their SQL: threads and their leases, agent
 checkpoints, the tool-call journal and approvals, in ``<store>/agent.sqlite``
 beside the store's catalog. :mod:`blockdiff.agent.agent` builds the
-``Agent``/``Step`` API on top."""
+``Agent``/``Step`` API on top and executes no SQL of its own.
+
+Every method that changes records is one transaction. Those that write for
+a thread a process holds (a checkpoint, a journal intent, a lease renewal)
+take that process's ``owner`` and check it under the write lock: a process
+whose lease was taken over stops instead of writing over the new holder."""
 
 from __future__ import annotations
 
@@ -11,11 +16,17 @@ import os
 import socket
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from blockdiff.agent.sealing import PLAIN, Codec, SealingError, content_hash, create_private
-from blockdiff.errors import AgentError, AmbiguousCheckpoint, UnknownCheckpoint, UnknownThread
+from blockdiff.errors import (
+    AgentError,
+    AmbiguousCheckpoint,
+    ThreadBusy,
+    UnknownCheckpoint,
+    UnknownThread,
+)
 from blockdiff.store.catalog import candidates, id_prefix, immediate_transaction, prefix_matches
 from blockdiff.store.store import Store
 
@@ -23,7 +34,6 @@ DB_NAME = "agent.sqlite"
 # 2: meta is redacted and sealed like the state; the content hash is taken
 # over what is written, keyed when sealed (sealing.Codec.content_hash).
 FORMAT_VERSION = 2
-
 
 _LEGACY_HASH = "instr(content_hash, ':') = 0"
 MIGRATIONS = [
@@ -102,16 +112,28 @@ def _unknown_thread(thread_id: str, root) -> UnknownThread:
                          f"blockdiff agent threads --store {root}")
 
 
-def _unknown_checkpoint(checkpoint_id: str, where: str,
-                        thread_id: str | None = None) -> UnknownCheckpoint:
+def unknown_checkpoint(checkpoint_id: str, where: str,
+                       thread_id: str | None = None) -> UnknownCheckpoint:
+    """The error for a checkpoint that is not ``where`` it was looked for,
+    pointing to ``thread_id``'s history (or to how to find one)."""
     listing = (f"blockdiff agent history {thread_id}" if thread_id
                else "blockdiff agent history THREAD (threads: blockdiff agent threads)")
     return UnknownCheckpoint(f"no checkpoint {checkpoint_id!r} {where}; see a thread's with: "
                              f"{listing}")
 
 
+def checkpoint_context(checkpoint_id: str, part: str) -> str:
+    """What a part of an agent checkpoint (state, messages, meta) is sealed
+    for: a value copied into another record does not decrypt."""
+    return f"checkpoint {checkpoint_id} {part}"
+
+
 @dataclass(frozen=True)
 class Checkpoint:
+    """An agent checkpoint as recorded (its state and messages are read with
+    :meth:`AgentDB.load`); ``disk_snapshot`` is the store's snapshot of the
+    sandbox disk taken with it."""
+
     id: str
     thread: str
     parent: str | None
@@ -127,6 +149,9 @@ class Checkpoint:
 
 @dataclass(frozen=True)
 class CheckpointResult:
+    """What taking an agent checkpoint did, and how long it and the disk
+    snapshot in it took."""
+
     id: str
     skipped: bool        # nothing changed: no new node, ``id`` is the head
     seconds: float
@@ -135,6 +160,8 @@ class CheckpointResult:
 
 @dataclass(frozen=True)
 class JournalEntry:
+    """A tool call as the journal lists it."""
+
     request_id: str
     thread: str
     base: str
@@ -149,7 +176,24 @@ class JournalEntry:
 
 
 @dataclass(frozen=True)
+class JournalCall:
+    """What a replay or a compensation needs of a journalled call: its
+    arguments and result as stored (sealed or not), decoded by the caller."""
+
+    request_id: str
+    tool: str
+    status: str
+    args: bytes
+    result: bytes | None
+    compensable: bool
+    external: bool
+
+
+@dataclass(frozen=True)
 class ThreadInfo:
+    """A thread: its head checkpoint, who runs it, and its disk binding
+    (:mod:`blockdiff.agent.disks`)."""
+
     id: str
     created: float
     head: str | None
@@ -161,6 +205,8 @@ class ThreadInfo:
 
 @dataclass(frozen=True)
 class Approval:
+    """A human's approval asked at a checkpoint; truthy once approved."""
+
     id: str
     thread: str
     checkpoint: str
@@ -188,7 +234,9 @@ class Compensation:
 
 
 
-def _owner() -> str:
+def process_owner() -> str:
+    """Who this process is, as a thread's owner: host, pid and the pid's
+    start time (a pid reused by another process is not the owner)."""
     try:
         with open(f"/proc/{os.getpid()}/stat") as f:
             start = f.read().rsplit(")", 1)[1].split()[19]
@@ -208,12 +256,11 @@ def _owner_alive(owner: str) -> bool:
         return False
 
 
-
 class AgentDB:
     """The agent tables, in ``<store>/agent.sqlite`` beside the store's catalog.
 
-    ``codec`` (with the key, when sealed) reads checkpoints' meta; without
-    it a sealed checkpoint's meta reads as None."""
+    ``codec`` (with the key, when sealed) seals what is written and reads
+    checkpoints' meta; without it a sealed checkpoint's meta reads as None."""
 
     def __init__(self, store: Store, codec: Codec | None = None):
         self.store = store
@@ -249,8 +296,9 @@ class AgentDB:
         for checkpoint_id, state, messages, old in rows:
             if self.codec is not None:
                 try:
-                    parts = (self.codec.data(state, f"checkpoint {checkpoint_id} state"),
-                             self.codec.data(messages, f"checkpoint {checkpoint_id} messages"))
+                    parts = (self.codec.data(state, checkpoint_context(checkpoint_id, "state")),
+                             self.codec.data(messages,
+                                             checkpoint_context(checkpoint_id, "messages")))
                 except SealingError:
                     continue
                 new = self.codec.content_hash(*parts)
@@ -265,6 +313,7 @@ class AgentDB:
                                "WHERE id = ? AND content_hash = ?", updates)
 
     def close(self) -> None:
+        """Close the database."""
         self.db.close()
 
     def __enter__(self) -> "AgentDB":
@@ -274,26 +323,112 @@ class AgentDB:
         self.close()
 
     def transaction(self):
+        """One change to the agent tables, holding the write lock from its start."""
         return immediate_transaction(self.db)
 
-    # threads
+    # ------------------------------------------------------------ threads
+
+    _THREAD_COLUMNS = "id, created, head, status, owner, disk, forked_from"
+
     def thread(self, thread_id: str) -> ThreadInfo:
-        row = self.db.execute("SELECT id, created, head, status, owner, disk, forked_from "
-                              "FROM threads WHERE id = ?", (thread_id,)).fetchone()
+        """The thread ``thread_id`` (``UnknownThread`` if there is none)."""
+        row = self.db.execute(f"SELECT {self._THREAD_COLUMNS} FROM threads WHERE id = ?",
+                              (thread_id,)).fetchone()
         if row is None:
             raise _unknown_thread(thread_id, self.store.root)
         return ThreadInfo(*row)
 
     def threads(self) -> list[ThreadInfo]:
+        """Every thread, oldest first."""
         return [ThreadInfo(*r) for r in self.db.execute(
-            "SELECT id, created, head, status, owner, disk, forked_from FROM threads "
-            "ORDER BY created")]
+            f"SELECT {self._THREAD_COLUMNS} FROM threads ORDER BY created")]
 
-    # checkpoints
-    _CP = ("SELECT id, thread, parent, step, version, created, expires, reason, disk_snapshot, "
-           "meta, content_hash FROM checkpoints")
+    def acquire(self, thread_id: str, owner: str, lease: float, *, binding: str | None,
+                create: bool) -> str:
+        """Hold ``thread_id`` for ``owner`` for ``lease`` seconds, making it
+        (with the disk ``binding``) when there is none and ``create`` says so,
+        else ``UnknownThread``. Returns the status it had ("new" when made).
+        ``ThreadBusy`` if another process runs it: a live owner on this host
+        keeps it however long its step takes; one on another host cannot be
+        seen, so its lease decides. A ``binding`` replaces the one recorded."""
+        now = time.time()
+        with self.transaction() as db:
+            row = db.execute("SELECT owner, lease_until, status FROM threads WHERE id = ?",
+                             (thread_id,)).fetchone()
+            if row is None:
+                if not create:
+                    raise _unknown_thread(thread_id, self.store.root)
+                self._insert_thread(db, thread_id, owner, now + lease, binding)
+                return "new"
+            holder, until, status = row
+            local = holder is not None and holder.rsplit(":", 2)[0] == socket.gethostname()
+            if holder and holder != owner and _owner_alive(holder) and (
+                    local or (until or 0) > now):
+                raise ThreadBusy(f"thread {thread_id} is being run by {holder}; refusing to "
+                                 f"run it twice (wait for it, or for its lease to end)")
+            db.execute("UPDATE threads SET owner = ?, lease_until = ?, status = 'running', "
+                       "disk = COALESCE(?, disk) WHERE id = ?",
+                       (owner, now + lease, binding, thread_id))
+            return status
 
-    def _checkpoint(self, row) -> Checkpoint:
+    def create_thread(self, thread_id: str, owner: str, lease: float, *, binding: str | None,
+                      forked_from: str | None = None) -> None:
+        """Make ``thread_id``, held by ``owner``; ``AgentError`` if it exists."""
+        with self.transaction() as db:
+            self.require_new_thread(thread_id)
+            self._insert_thread(db, thread_id, owner, time.time() + lease, binding, forked_from)
+
+    def require_new_thread(self, thread_id: str) -> None:
+        """``AgentError`` if there is a thread ``thread_id``."""
+        if self.db.execute("SELECT 1 FROM threads WHERE id = ?", (thread_id,)).fetchone():
+            raise AgentError(f"thread {thread_id} already exists")
+
+    @staticmethod
+    def _insert_thread(db, thread_id: str, owner: str, lease_until: float,
+                       binding: str | None, forked_from: str | None = None) -> None:
+        db.execute("INSERT INTO threads (id, created, status, owner, lease_until, disk, "
+                   "forked_from) VALUES (?, ?, 'running', ?, ?, ?, ?)",
+                   (thread_id, time.time(), owner, lease_until, binding, forked_from))
+
+    def release(self, thread_id: str, owner: str, status: str | None = None) -> None:
+        """Let go of a thread ``owner`` holds, leaving it ``status`` (default:
+        idle if it was running). Best effort: on a database error the lease
+        ends by itself."""
+        with contextlib.suppress(sqlite3.Error), self.transaction() as db:
+            db.execute("UPDATE threads SET owner = NULL, lease_until = NULL, "
+                       "status = COALESCE(?, CASE status WHEN 'running' THEN 'idle' "
+                       "ELSE status END) WHERE id = ? AND owner = ?",
+                       (status, thread_id, owner))
+
+    def renew(self, thread_id: str, owner: str, lease: float) -> None:
+        """Extend ``owner``'s hold on ``thread_id`` by ``lease`` seconds from now."""
+        with self.transaction() as db:
+            self._check_owner(db, thread_id, owner)
+            db.execute("UPDATE threads SET lease_until = ? WHERE id = ?",
+                       (time.time() + lease, thread_id))
+
+    @staticmethod
+    def _check_owner(db, thread_id: str, owner: str) -> None:
+        holder = db.execute("SELECT owner FROM threads WHERE id = ?",
+                            (thread_id,)).fetchone()[0]
+        if holder != owner:
+            raise ThreadBusy(f"thread {thread_id} was taken over by {holder} (this process's "
+                             f"lease ended); stopping rather than running it twice")
+
+    def mark_failing(self, thread_id: str, request_ids: Iterable[str]) -> None:
+        """Mark a failed run's calls to undo and the thread 'failing', in one
+        transaction: a process dying during the compensations leaves a thread
+        that, opened again, finishes them and ends failed."""
+        with self.transaction() as db:
+            self._mark_undo(db, request_ids)
+            db.execute("UPDATE threads SET status = 'failing' WHERE id = ?", (thread_id,))
+
+    # -------------------------------------------------------- checkpoints
+
+    _CHECKPOINT_SELECT = ("SELECT id, thread, parent, step, version, created, expires, reason, "
+                          "disk_snapshot, meta, content_hash FROM checkpoints")
+
+    def _checkpoint_from_row(self, row) -> Checkpoint:
         return Checkpoint(*row[:9], self._meta(row[0], row[9]), row[10])
 
     def _meta(self, checkpoint_id: str, stored) -> dict | None:
@@ -301,14 +436,15 @@ class AgentDB:
             return json.loads(stored)
         if self.codec is None or not self.codec.sealing:
             return json.loads(stored[1:]) if stored[:1] == PLAIN else None
-        return self.codec.decode(stored, f"checkpoint {checkpoint_id} meta")
+        return self.codec.decode(stored, checkpoint_context(checkpoint_id, "meta"))
 
     def checkpoint(self, checkpoint_id: str, thread_id: str | None = None) -> Checkpoint:
         """The checkpoint ``checkpoint_id``, an id or a unique prefix of at
         least 4 hex digits (``AmbiguousCheckpoint`` if it begins several);
         the result's ``id`` is the full id. ``thread_id``, if given, only
         names the thread whose history the error points to."""
-        row = self.db.execute(self._CP + " WHERE id = ?", (checkpoint_id,)).fetchone()
+        row = self.db.execute(self._CHECKPOINT_SELECT + " WHERE id = ?",
+                              (checkpoint_id,)).fetchone()
         if row is None and (prefix := id_prefix(checkpoint_id)) is not None:
             ids, total = prefix_matches(self.db, "checkpoints", prefix)
             if total > 1:
@@ -317,10 +453,21 @@ class AgentDB:
                     f"{self.store.root} begin with it ({candidates(ids, total)}); give more "
                     f"of its digits")
             if ids:
-                row = self.db.execute(self._CP + " WHERE id = ?", (ids[0],)).fetchone()
+                row = self.db.execute(self._CHECKPOINT_SELECT + " WHERE id = ?",
+                                      (ids[0],)).fetchone()
         if row is None:
-            raise _unknown_checkpoint(checkpoint_id, f"in {self.store.root}", thread_id)
-        return self._checkpoint(row)
+            raise unknown_checkpoint(checkpoint_id, f"in {self.store.root}", thread_id)
+        return self._checkpoint_from_row(row)
+
+    def checkpoint_of_thread(self, checkpoint_id: str, thread_id: str) -> Checkpoint:
+        """The checkpoint ``checkpoint_id`` names (a prefix resolved), which
+        must be ``thread_id``'s own or in its history (a thread forked from
+        another has the other's older checkpoints in it)."""
+        found = self.checkpoint(checkpoint_id, thread_id)
+        if found.thread != thread_id and found.id not in {
+                c.id for c in self.history(thread_id)}:
+            raise unknown_checkpoint(found.id, f"in thread {thread_id!r}'s history", thread_id)
+        return found
 
     def resolve_checkpoint(self, checkpoint_id: str) -> str:
         """The full id of the checkpoint ``checkpoint_id`` names: an id, or a
@@ -328,17 +475,58 @@ class AgentDB:
         return self.checkpoint(checkpoint_id).id
 
     def contents(self, checkpoint_id: str) -> tuple[bytes, bytes]:
+        """A checkpoint's state and messages as stored (sealed or not)."""
         return self.db.execute("SELECT state, messages FROM checkpoints WHERE id = ?",
                                (checkpoint_id,)).fetchone()
+
+    def load(self, checkpoint_id: str) -> tuple[dict, list]:
+        """A checkpoint's state and messages, read with :attr:`codec`."""
+        state, messages = self.contents(checkpoint_id)
+        return (self.codec.decode(state, checkpoint_context(checkpoint_id, "state")),
+                self.codec.decode(messages, checkpoint_context(checkpoint_id, "messages")))
+
+    def record_checkpoint(self, checkpoint_id: str, thread_id: str, owner: str, *,
+                          parent: Checkpoint | None, reason: str, written: tuple[bytes, bytes],
+                          content_hash: str, disk_snapshot: str | None, meta: dict,
+                          ttl: float | None, lease: float, undo: Iterable[str] = ()) -> None:
+        """Write the agent checkpoint ``checkpoint_id`` after ``parent`` and
+        make it ``thread_id``'s head, renewing ``owner``'s lease, if ``owner``
+        still holds the thread. ``written``: the state and messages as
+        serialised (:meth:`Codec.serialise`), sealed here for this record.
+        ``undo``: request ids marked for compensation in the same
+        transaction (a rewind: a process dying after it resumes at the
+        rewound node and finishes the compensations)."""
+        codec, now = self.codec, time.time()
+        state, messages = written
+        meta_data = codec.serialise(meta)
+        with self.transaction() as db:
+            self._check_owner(db, thread_id, owner)
+            self._mark_undo(db, undo)
+            db.execute(
+                "INSERT INTO checkpoints (id, thread, parent, step, version, created, expires, "
+                "reason, state, messages, content_hash, disk_snapshot, meta) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (checkpoint_id, thread_id, parent.id if parent else None,
+                 parent.step + 1 if parent else 0, FORMAT_VERSION, now,
+                 now + ttl if ttl else None, reason,
+                 codec.seal(state, checkpoint_context(checkpoint_id, "state")),
+                 codec.seal(messages, checkpoint_context(checkpoint_id, "messages")),
+                 content_hash, disk_snapshot,
+                 # In the clear as JSON text, as before, when nothing is sealed.
+                 codec.seal(meta_data, checkpoint_context(checkpoint_id, "meta"))
+                 if codec.sealing else meta_data.decode()))
+            db.execute("UPDATE threads SET head = ?, lease_until = ? WHERE id = ?",
+                       (checkpoint_id, now + lease, thread_id))
 
     def history(self, thread_id: str) -> list[Checkpoint]:
         """The head's ancestry, newest first (crossing into the thread forked from)."""
         out, cursor = [], self.thread(thread_id).head
         while cursor:
-            row = self.db.execute(self._CP + " WHERE id = ?", (cursor,)).fetchone()
+            row = self.db.execute(self._CHECKPOINT_SELECT + " WHERE id = ?",
+                                  (cursor,)).fetchone()
             if row is None:
                 break  # older checkpoints expired and were collected
-            out.append(self._checkpoint(row))
+            out.append(self._checkpoint_from_row(row))
             cursor = out[-1].parent
         return out
 
@@ -351,8 +539,9 @@ class AgentDB:
             keep = {r[0] for r in db.execute("SELECT head FROM threads WHERE head IS NOT NULL")}
             keep |= {r[0] for r in db.execute("SELECT checkpoint FROM approvals "
                                               "WHERE decision IS NULL")}
-            expired = [self._checkpoint(r) for r in db.execute(
-                self._CP + " WHERE expires IS NOT NULL AND expires <= ? ORDER BY seq", (now,))
+            expired = [self._checkpoint_from_row(r) for r in db.execute(
+                self._CHECKPOINT_SELECT + " WHERE expires IS NOT NULL AND expires <= ? "
+                "ORDER BY seq", (now,))
                 if r[0] not in keep]
             if dry_run or not expired:
                 return expired
@@ -381,34 +570,122 @@ class AgentDB:
         return render_tree(nodes)
 
     def all_checkpoints(self, thread_id: str) -> list[Checkpoint]:
+        """Every checkpoint recorded for ``thread_id``, oldest first (rewound ones too)."""
         self.thread(thread_id)
-        return [self._checkpoint(r) for r in self.db.execute(
-            self._CP + " WHERE thread = ? ORDER BY seq", (thread_id,))]
+        return [self._checkpoint_from_row(r) for r in self.db.execute(
+            self._CHECKPOINT_SELECT + " WHERE thread = ? ORDER BY seq", (thread_id,))]
 
-    # journal
-    _J = ("SELECT request_id, thread, base, position, tool, status, started, finished, "
-          "compensable, external, error FROM journal")
+    # ------------------------------------------------------------ journal
+
+    _JOURNAL_SELECT = ("SELECT request_id, thread, base, position, tool, status, started, "
+                       "finished, compensable, external, error FROM journal")
+    _CALL_SELECT = ("SELECT request_id, tool, status, args, result, compensable, external "
+                    "FROM journal")
 
     def journal(self, thread_id: str) -> list[JournalEntry]:
+        """Every call ``thread_id`` made, oldest first."""
         self.thread(thread_id)
         return [JournalEntry(*r[:8], bool(r[8]), bool(r[9]), r[10]) for r in self.db.execute(
-            self._J + " WHERE thread = ? ORDER BY seq", (thread_id,))]
+            self._JOURNAL_SELECT + " WHERE thread = ? ORDER BY seq", (thread_id,))]
 
-    def entry(self, rid: str):
-        return self.db.execute("SELECT status, args, result, tool FROM journal "
-                               "WHERE request_id = ?", (rid,)).fetchone()
+    @staticmethod
+    def _call_from_row(row) -> JournalCall:
+        return JournalCall(*row[:5], bool(row[5]), bool(row[6]))
 
-    # approvals
-    def _approval(self, row, codec: Codec | None) -> Approval:
+    def call(self, request_id: str) -> JournalCall | None:
+        """The journalled call ``request_id``, or None if it was never made."""
+        row = self.db.execute(self._CALL_SELECT + " WHERE request_id = ?",
+                              (request_id,)).fetchone()
+        return None if row is None else self._call_from_row(row)
+
+    def record_intent(self, request_id: str, thread_id: str, owner: str, *, base: str,
+                      position: int, tool: str, args: bytes, compensable: bool,
+                      external: bool) -> None:
+        """Journal that ``owner`` is about to make a call (``args`` as
+        encoded): committed, synchronously, before the tool runs."""
+        with self.transaction() as db:
+            self._check_owner(db, thread_id, owner)
+            db.execute(
+                "INSERT INTO journal (request_id, thread, base, position, tool, args, "
+                "status, started, compensable, external) "
+                "VALUES (?, ?, ?, ?, ?, ?, 'intent', ?, ?, ?)",
+                (request_id, thread_id, base, position, tool, args, time.time(),
+                 int(compensable), int(external)))
+
+    def forget_intent(self, request_id: str) -> None:
+        """Drop the intent of a call that failed without taking effect: as if never made."""
+        with self.transaction() as db:
+            db.execute("DELETE FROM journal WHERE request_id = ? AND status = 'intent'",
+                       (request_id,))
+
+    def record_result(self, request_id: str, status: str, result: bytes) -> None:
+        """Journal a call's outcome (``result`` as encoded)."""
+        with self.transaction() as db:
+            db.execute("UPDATE journal SET status = ?, result = ?, finished = ? "
+                       "WHERE request_id = ?", (status, result, time.time(), request_id))
+
+    def set_call_status(self, request_id: str, status: str) -> None:
+        """Where a call's compensation stands: compensating, compensated, uncompensable."""
+        with self.transaction() as db:
+            db.execute("UPDATE journal SET status = ? WHERE request_id = ?",
+                       (status, request_id))
+
+    def set_call_undo(self, request_id: str, undo: str) -> None:
+        """How a call marked for undoing was settled."""
+        with self.transaction() as db:
+            db.execute("UPDATE journal SET undo = ? WHERE request_id = ?", (undo, request_id))
+
+    @staticmethod
+    def _mark_undo(db, request_ids: Iterable[str]) -> None:
+        db.executemany("UPDATE journal SET undo = 'pending' WHERE request_id = ?",
+                       [(rid,) for rid in request_ids])
+
+    def effects_since(self, thread_id: str, head: str | None, checkpoint_id: str) -> list[str]:
+        """Request ids of ``thread_id``'s calls made at or after
+        ``checkpoint_id`` on the way to ``head``, newest first: what going
+        back to it undoes."""
+        path, cursor = [], head
+        while cursor and cursor != checkpoint_id:
+            path.append(cursor)
+            cursor = self.checkpoint(cursor).parent
+        if cursor != checkpoint_id:
+            raise unknown_checkpoint(checkpoint_id, f"among the ancestors of thread "
+                                     f"{thread_id!r}'s head", thread_id)
+        bases = path + [checkpoint_id]
+        marks = ",".join("?" * len(bases))
+        return [r[0] for r in self.db.execute(
+            f"SELECT request_id FROM journal WHERE thread = ? AND base IN ({marks}) "
+            f"AND status IN ('done', 'intent', 'compensating') ORDER BY seq DESC",
+            (thread_id, *bases))]
+
+    def pending_undo(self, thread_id: str) -> list[JournalCall]:
+        """The calls of ``thread_id`` marked for undoing and not yet undone, newest first."""
+        return [self._call_from_row(r) for r in self.db.execute(
+            self._CALL_SELECT + " WHERE thread = ? AND undo = 'pending' ORDER BY seq DESC",
+            (thread_id,))]
+
+    # ---------------------------------------------------------- approvals
+
+    _APPROVAL_SELECT = ("SELECT id, thread, checkpoint, action, created, expires, decision, "
+                        "comment FROM approvals")
+
+    def _approval_from_row(self, row, codec: Codec | None) -> Approval:
         action = None
         if codec is not None:
             action = codec.decode(row[3], f"approval {row[0]}")
         return Approval(row[0], row[1], row[2], action, *row[4:])
 
+    def approval(self, approval_id: str, *, codec: Codec | None = None) -> Approval | None:
+        """The approval ``approval_id`` (its action read with ``codec``), or None."""
+        row = self.db.execute(self._APPROVAL_SELECT + " WHERE id = ?",
+                              (approval_id,)).fetchone()
+        return None if row is None else self._approval_from_row(row, codec)
+
     def approvals(self, thread_id: str | None = None, *, pending_only: bool = False,
                   codec: Codec | None = None) -> list[Approval]:
-        query = ("SELECT id, thread, checkpoint, action, created, expires, decision, comment "
-                 "FROM approvals")
+        """Approvals (of ``thread_id``; undecided and unexpired ones only),
+        oldest first, their actions read with ``codec``."""
+        query = self._APPROVAL_SELECT
         where, args = [], []
         if thread_id is not None:
             self.thread(thread_id)
@@ -419,10 +696,27 @@ class AgentDB:
             args.append(time.time())
         if where:
             query += " WHERE " + " AND ".join(where)
-        return [self._approval(r, codec) for r in self.db.execute(query + " ORDER BY created",
-                                                                   args)]
+        return [self._approval_from_row(r, codec)
+                for r in self.db.execute(query + " ORDER BY created", args)]
+
+    def ask_approval(self, approval_id: str, thread_id: str, checkpoint_id: str, action: bytes,
+                     ttl: float | None) -> None:
+        """Record a pending approval of ``action`` (as encoded) at a checkpoint."""
+        now = time.time()
+        with self.transaction() as db:
+            db.execute("INSERT INTO approvals (id, thread, checkpoint, action, created, "
+                       "expires) VALUES (?, ?, ?, ?, ?, ?)",
+                       (approval_id, thread_id, checkpoint_id, action, now,
+                        now + ttl if ttl else None))
+
+    def expire_approval(self, approval_id: str) -> None:
+        """Decide an approval left undecided past its expiry as 'expired'."""
+        with self.transaction() as db:
+            db.execute("UPDATE approvals SET decision = 'expired', decided = ? "
+                       "WHERE id = ? AND decision IS NULL", (time.time(), approval_id))
 
     def decide(self, thread_id: str, decision: str, *, by: str = "", comment: str = "") -> Approval:
+        """Approve or reject (``decision``) the thread's newest pending approval."""
         self.thread(thread_id)
         with self.transaction() as db:
             row = db.execute("SELECT id, expires FROM approvals WHERE thread = ? AND decision IS "
@@ -437,7 +731,7 @@ class AgentDB:
             else:
                 db.execute("UPDATE approvals SET decision = ?, decided = ?, decided_by = ?, "
                            "comment = ? WHERE id = ?",
-                           (decision, time.time(), by or _owner(), comment, row[0]))
+                           (decision, time.time(), by or process_owner(), comment, row[0]))
                 decision_made = decision
         if decision_made == "expired":
             raise AgentError(f"the approval thread {thread_id} waited for expired before it was "
