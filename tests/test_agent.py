@@ -13,7 +13,7 @@ import time
 import pytest
 
 from blockdiff.agent import agent as agent_module
-from blockdiff.agent import model
+from blockdiff.agent import disks, model
 from blockdiff.agent.agent import (
     NOT_APPLIED,
     Agent,
@@ -29,7 +29,7 @@ from blockdiff.agent.agent import (
     fork_thread,
     rewind_thread,
 )
-from blockdiff.agent.disks import ImageDisk
+from blockdiff.agent.disks import DiskKind, ImageDisk
 from blockdiff.agent.sealing import SealingError, new_key
 from blockdiff.store.store import Store
 
@@ -350,6 +350,61 @@ def test_fork_gets_its_own_disk_and_changes_independently(setup):
     assert threads["t2"].forked_from == point
     with pytest.raises(AgentError, match="already exists"):
         fork_thread(store, "t", point, "t2")
+
+
+class LabelledImage:
+    """A disk of a kind of its own: an image file found by its label."""
+
+    def __init__(self, store, directory, label):
+        self.label = label
+        self.image = ImageDisk(store, directory / f"{label}.img")
+
+    def checkpoint(self, *args, **kwargs):
+        return self.image.checkpoint(*args, **kwargs)
+
+    def restore(self, snapshot_id):
+        self.image.restore(snapshot_id)
+
+
+def test_a_disk_kind_is_one_registration(setup, monkeypatch):
+    """Registered once, a kind of disk is bound to its thread, reopened by a
+    process that has only the binding (a rewind) and forked with the thread;
+    a binding of a kind this code does not know is refused, not guessed at."""
+    store, _, image = setup
+    directory = image.parent
+    monkeypatch.setattr(disks, "_KINDS", dict(disks._KINDS))
+
+    def fork(store, label, snapshot_id, new_label):
+        store.restore(snapshot_id, directory / f"{new_label}.img")
+        return LabelledImage(store, directory, new_label)
+
+    disks.register(DiskKind("labelled", LabelledImage, where=lambda disk: disk.label,
+                            reopen=lambda store, label: LabelledImage(store, directory, label),
+                            fork=fork))
+    with pytest.raises(ValueError, match="registered already"):
+        disks.register(DiskKind("labelled", LabelledImage, where=None, reopen=None, fork=None))
+    first = directory / "first.img"
+    with open(first, "wb") as f:
+        f.truncate(4 * MiB)
+    with Agent(store, "t", disk=LabelledImage(store, directory, "first")) as a:
+        with a.step("one"):
+            write(first, 0, b"one")
+            a.state["n"] = 1
+        point = a.head
+        with a.step("two"):
+            write(first, 0, b"two")
+            a.state["n"] = 2
+    assert AgentDB(store).thread("t").disk == "labelled:first"
+    rewind_thread(store, "t", point)
+    with open(first, "rb") as f:
+        assert f.read(3) == b"one"
+    fork_thread(store, "t", point, "second")
+    assert AgentDB(store).thread("second").disk == "labelled:second"
+    with open(directory / "second.img", "rb") as f:
+        assert f.read(3) == b"one"
+    del disks._KINDS["labelled"]
+    with pytest.raises(AgentError, match="'labelled:first', a kind of disk this blockdiff"):
+        rewind_thread(store, "t", point)
 
 
 def test_sealed_state_needs_its_key(setup, monkeypatch):

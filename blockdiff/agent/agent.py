@@ -28,9 +28,8 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
-from blockdiff.agent.disks import Disk, ImageDisk
+from blockdiff.agent.disks import Disk, bound_disk, disk_binding, fork_disk
 from blockdiff.agent.model import (
     AgentDB,
     Approval,
@@ -126,29 +125,6 @@ def _new_id() -> str:
 def request_id(base: str, position: int, kind: str = "call") -> str:
     """The id of the ``position``-th call of the step that began at ``base``."""
     return hashlib.sha256(f"{base}/{kind}/{position}".encode()).hexdigest()[:32]
-
-
-def disk_binding(disk) -> str | None:
-    """How a thread remembers its disk, so that other processes (the CLI) can
-    restore it: ``vm:NAME`` or ``image:PATH``."""
-    from blockdiff.vm.sandbox import Sandbox
-
-    if disk is None:
-        return None
-    if isinstance(disk, Sandbox):
-        return f"vm:{disk.name}"
-    if isinstance(disk, ImageDisk):
-        return f"image:{os.path.abspath(disk.path)}"
-    return None
-
-
-def bound_disk(store: Store, binding: str | None) -> Disk | None:
-    from blockdiff.vm.sandbox import Sandbox
-
-    if not binding:
-        return None
-    kind, _, where = binding.partition(":")
-    return Sandbox(store, where) if kind == "vm" else ImageDisk(store, where)
 
 
 def _disk_snapshot(disk: Disk | None, thread_id: str, reason: str,
@@ -584,7 +560,7 @@ def fork_thread(store: Store, thread_id: str, checkpoint_id: str, new_thread: st
         # Before the disk is forked: a fork's disk is named after the thread.
         db.require_new_thread(new_thread)
         state, messages = db.load(target.id)
-        disk = _fork_disk(store, source.disk, target.disk_snapshot, new_thread)
+        disk = fork_disk(store, source.disk, target.disk_snapshot, new_thread)
         owner = process_owner()
         db.create_thread(new_thread, owner, DEFAULT_LEASE, binding=disk_binding(disk),
                          forked_from=target.id)
@@ -600,20 +576,6 @@ def fork_thread(store: Store, thread_id: str, checkpoint_id: str, new_thread: st
         finally:
             db.release(new_thread, owner)
     return head
-
-
-def _fork_disk(store: Store, binding: str | None, snapshot: str | None, new_thread: str):
-    if not binding or not snapshot:
-        return None
-    from blockdiff.vm.sandbox import Sandbox
-
-    kind, _, where = binding.partition(":")
-    if kind == "vm":
-        return Sandbox(store, where).fork(snapshot, new_thread, start=False)
-    path = Path(where)
-    fork = path.with_name(f"{path.stem}.{new_thread}{path.suffix}")
-    store.restore(snapshot, fork)
-    return ImageDisk(store, fork)
 
 
 def rewind_thread(store: Store, thread_id: str, checkpoint_id: str, *, key=None) -> Compensation:
