@@ -31,6 +31,7 @@ from blockdiff.agent.agent import (
 )
 from blockdiff.agent.disks import DiskKind, ImageDisk
 from blockdiff.agent.sealing import SealingError, new_key
+from blockdiff.errors import SchemaTooNew
 from blockdiff.store.store import Store
 
 MiB = 1 << 20
@@ -702,6 +703,42 @@ def test_sealed_checkpoints_confirm_no_guess_at_their_contents(setup, monkeypatc
     guess = hashlib.sha256(canonical({"api_token": secret}) + b"\0" + canonical([]))
     assert stored.startswith("sha256:") and guess.hexdigest() not in stored
     assert secret.encode() not in _agent_files(store)
+
+
+def test_an_agent_database_made_before_the_db_layer_is_adopted_as_it_is(setup):
+    """A database that counts its migrations in PRAGMA user_version (as
+    blockdiff wrote it before schema_versions) keeps every record and goes
+    on from its version; one from a newer blockdiff is refused."""
+    store, disk, image = setup
+    bank = Bank()
+    with Agent(store, "t", disk=disk, tools=bank.tools()) as a:
+        order_step(a, image, 10)
+        head, state = a.head, a.state
+    # Back to version 1 as it was then: no version table, no second migration.
+    raw = sqlite3.connect(store.root / model.DB_NAME, isolation_level=None)
+    raw.execute("DROP TABLE schema_versions")
+    raw.execute("DROP INDEX checkpoints_legacy_hash")
+    raw.execute("PRAGMA user_version = 1")
+    raw.close()
+    with Agent(store, "t", disk=disk, tools=bank.tools()) as a:
+        assert a.head == head and a.state == state
+        assert [e.status for e in a.db.journal("t")] == ["done"]
+        order_step(a, image, 20)
+    assert sorted(bank.charges.values()) == [10, 20]
+    raw = sqlite3.connect(store.root / model.DB_NAME, isolation_level=None)
+    try:
+        assert raw.execute("SELECT version FROM schema_versions WHERE name = 'agent'"
+                           ).fetchone()[0] == len(model.MIGRATIONS)
+        # Kept in step: a blockdiff of before still knows what it opens.
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == len(model.MIGRATIONS)
+        assert raw.execute("SELECT 1 FROM sqlite_master WHERE name = 'checkpoints_legacy_hash'"
+                           ).fetchone()
+        raw.execute("DROP TABLE schema_versions")
+        raw.execute("PRAGMA user_version = 99")
+    finally:
+        raw.close()
+    with pytest.raises(SchemaTooNew, match="newer blockdiff"):
+        AgentDB(store)
 
 
 def test_content_hashes_written_before_they_were_keyed_are_replaced(setup, monkeypatch):

@@ -14,20 +14,22 @@ import contextlib
 import json
 import os
 import socket
-import sqlite3
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from blockdiff.agent.sealing import PLAIN, Codec, SealingError, content_hash, create_private
+from blockdiff.agent.sealing import PLAIN, Codec, SealingError, content_hash
+from blockdiff.db import Migrations, connect, migrate
 from blockdiff.errors import (
     AgentError,
     AmbiguousCheckpoint,
+    DatabaseDamaged,
+    DatabaseError,
     ThreadBusy,
     UnknownCheckpoint,
     UnknownThread,
 )
-from blockdiff.store.catalog import candidates, id_prefix, immediate_transaction, prefix_matches
+from blockdiff.store.catalog import candidates, id_prefix, prefix_matches
 from blockdiff.store.store import Store
 
 DB_NAME = "agent.sqlite"
@@ -104,6 +106,9 @@ MIGRATIONS = [
     CREATE INDEX checkpoints_legacy_hash ON checkpoints(seq) WHERE {_LEGACY_HASH};
     """,
 ]
+# Agent databases made before the db layer count their migrations in
+# PRAGMA user_version: adopted at that version.
+SCHEMA = Migrations("agent", MIGRATIONS, legacy="user_version")
 
 
 def _unknown_thread(thread_id: str, root) -> UnknownThread:
@@ -265,24 +270,17 @@ class AgentDB:
     def __init__(self, store: Store, codec: Codec | None = None):
         self.store = store
         self.codec = codec
-        path = store.root / DB_NAME
-        create_private(path, getattr(store, "file_mode", 0o600))
-        self.db = sqlite3.connect(path, timeout=60, isolation_level=None,
-                                  check_same_thread=False)
-        # What a rewrite or a delete leaves behind is zeroed, not left in free space.
-        self.db.execute("PRAGMA secure_delete=ON")
-        self.db.execute("PRAGMA journal_mode=WAL")
-        # FULL: a journal intent must be on disk before the tool runs.
-        self.db.execute("PRAGMA synchronous=FULL")
-        with self.transaction() as db:
-            # Read under the write lock: two processes opening a new store at
-            # once migrate it once.
-            version = db.execute("PRAGMA user_version").fetchone()[0]
-            for number, script in enumerate(MIGRATIONS[version:], start=version + 1):
-                for statement in filter(str.strip, script.split(";")):
-                    db.execute(statement)
-                db.execute(f"PRAGMA user_version={number}")
-        self._rehash_legacy()
+        # secure_delete: what a rewrite or a delete leaves behind is zeroed,
+        # not left in free space. The layer's synchronous=FULL is what makes
+        # a journal intent be on disk before the tool runs.
+        self.db = connect(store.root / DB_NAME, mode=getattr(store, "file_mode", 0o600),
+                          secure_delete=True)
+        try:
+            migrate(self.db, SCHEMA)
+            self._rehash_legacy()
+        except BaseException:
+            self.db.close()
+            raise
 
     def _rehash_legacy(self) -> None:
         """Replace content hashes written before they were keyed (a plain
@@ -324,7 +322,7 @@ class AgentDB:
 
     def transaction(self):
         """One change to the agent tables, holding the write lock from its start."""
-        return immediate_transaction(self.db)
+        return self.db.transaction()
 
     # ------------------------------------------------------------ threads
 
@@ -394,7 +392,8 @@ class AgentDB:
         """Let go of a thread ``owner`` holds, leaving it ``status`` (default:
         idle if it was running). Best effort: on a database error the lease
         ends by itself."""
-        with contextlib.suppress(sqlite3.Error), self.transaction() as db:
+        with contextlib.suppress(DatabaseError, DatabaseDamaged, OSError), \
+                self.transaction() as db:
             db.execute("UPDATE threads SET owner = NULL, lease_until = NULL, "
                        "status = COALESCE(?, CASE status WHEN 'running' THEN 'idle' "
                        "ELSE status END) WHERE id = ? AND owner = ?",

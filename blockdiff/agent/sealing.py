@@ -26,9 +26,6 @@ import json
 import os
 from collections.abc import Callable, Iterable
 
-# create_private lives in the db layer; AgentDB imports it from here until
-# it opens its database with blockdiff.db.connect.
-from blockdiff.db import create_private as create_private
 from blockdiff.errors import SealingError
 
 KEY_ENV = "BLOCKDIFF_AGENT_KEY"
