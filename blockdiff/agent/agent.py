@@ -304,8 +304,7 @@ class Agent:
         approval_id = request_id(self.head, count, "approval")
         asked = self.db.approval(approval_id)
         if asked is None:
-            self.db.ask_approval(approval_id, self.thread_id, self.head,
-                                 self.codec.encode(action, f"approval {approval_id}"), ttl)
+            self.db.ask_approval(approval_id, self.thread_id, self.head, action, ttl)
             self._approvals_asked = (self.head, count - 1)  # asking again means this one
             raise ApprovalPending(self.thread_id, approval_id, action)
         if asked.decision is None:

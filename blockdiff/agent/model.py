@@ -133,6 +133,10 @@ def checkpoint_context(checkpoint_id: str, part: str) -> str:
     return f"checkpoint {checkpoint_id} {part}"
 
 
+def _approval_context(approval_id: str) -> str:
+    return f"approval {approval_id}"
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """An agent checkpoint as recorded (its state and messages are read with
@@ -238,13 +242,17 @@ class Compensation:
     pending: list[str] = field(default_factory=list)   # left for a process that has the tools
 
 
+def _start_time(pid: int | str) -> str:
+    """When process ``pid`` started (clock ticks after boot), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[19]
+
 
 def process_owner() -> str:
     """Who this process is, as a thread's owner: host, pid and the pid's
     start time (a pid reused by another process is not the owner)."""
     try:
-        with open(f"/proc/{os.getpid()}/stat") as f:
-            start = f.read().rsplit(")", 1)[1].split()[19]
+        start = _start_time(os.getpid())
     except OSError:
         start = "0"
     return f"{socket.gethostname()}:{os.getpid()}:{start}"
@@ -255,8 +263,7 @@ def _owner_alive(owner: str) -> bool:
     if host != socket.gethostname():
         return True  # another host: only its lease can tell
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19] == start
+        return _start_time(pid) == start
     except (OSError, IndexError):
         return False
 
@@ -671,7 +678,7 @@ class AgentDB:
     def _approval_from_row(self, row, codec: Codec | None) -> Approval:
         action = None
         if codec is not None:
-            action = codec.decode(row[3], f"approval {row[0]}")
+            action = codec.decode(row[3], _approval_context(row[0]))
         return Approval(row[0], row[1], row[2], action, *row[4:])
 
     def approval(self, approval_id: str, *, codec: Codec | None = None) -> Approval | None:
@@ -698,14 +705,16 @@ class AgentDB:
         return [self._approval_from_row(r, codec)
                 for r in self.db.execute(query + " ORDER BY created", args)]
 
-    def ask_approval(self, approval_id: str, thread_id: str, checkpoint_id: str, action: bytes,
+    def ask_approval(self, approval_id: str, thread_id: str, checkpoint_id: str, action,
                      ttl: float | None) -> None:
-        """Record a pending approval of ``action`` (as encoded) at a checkpoint."""
+        """Record a pending approval of ``action`` at a checkpoint, encoded
+        with :attr:`codec`."""
         now = time.time()
+        blob = self.codec.encode(action, _approval_context(approval_id))
         with self.transaction() as db:
             db.execute("INSERT INTO approvals (id, thread, checkpoint, action, created, "
                        "expires) VALUES (?, ?, ?, ?, ?, ?)",
-                       (approval_id, thread_id, checkpoint_id, action, now,
+                       (approval_id, thread_id, checkpoint_id, blob, now,
                         now + ttl if ttl else None))
 
     def expire_approval(self, approval_id: str) -> None:
