@@ -16,6 +16,7 @@ import pytest
 
 import filesystems
 from blockdiff.db import Migrations, connect, migrate, schema_version
+from blockdiff.db.sqlite import immediate_transaction
 from blockdiff.errors import (
     ConstraintFailed,
     Damaged,
@@ -24,7 +25,7 @@ from blockdiff.errors import (
     SchemaTooNew,
 )
 from blockdiff.store import catalog as catalog_module
-from blockdiff.store.catalog import Catalog, immediate_transaction
+from blockdiff.store.catalog import Catalog
 from blockdiff.store.store import Store
 
 ITEMS = Migrations("items", ["CREATE TABLE items (id INTEGER PRIMARY KEY, name TEXT UNIQUE)",

@@ -1,8 +1,9 @@
 """Errors turned into one line on stderr and an exit status, in one place.
 
 A library error carries its exit status (the table in ``blockdiff.errors``);
-the statuses given here are for what is not a blockdiff error: an OS error (1),
-a catalog SQLite cannot use (13), an interrupt (130). Every command runs under
+the statuses given here are for what is not a blockdiff error: an OS error (1)
+and an interrupt (130). Database errors arrive as blockdiff errors: the
+database layer (``blockdiff.db``) turns SQLite's into them. Every command runs under
 this handler, because the top-level group (:class:`ReportingGroup`) invokes
 them all through it, option callbacks included.
 """
@@ -49,13 +50,6 @@ def report_errors(call, *args, **kwargs):
         fail(f"{e.strerror or e}{where}" + (f" ({hint})" if hint else ""), 1)
     except KeyboardInterrupt:
         fail("interrupted; nothing was left under the final name", 130)
-    except Exception as e:
-        # A store's catalog that SQLite cannot use (locked for too long,
-        # damaged): a state to report, not a bug in blockdiff.
-        sqlite3 = sys.modules.get("sqlite3")
-        if sqlite3 is not None and isinstance(e, sqlite3.Error):
-            fail(f"the store's catalog: {e}; check the store with: blockdiff verify", 13)
-        raise
 
 
 class ReportingGroup(click.Group):

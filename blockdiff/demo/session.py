@@ -256,7 +256,8 @@ def _sandbox_steps(store, root: Path, image_dir, emit, timed) -> bool:
         Path.home() / ".cache" / "blockdiff" / "vm-image")
     image, seconds = timed(lambda: build_image(image_dir))
     emit("sandbox VM image " + ("(cached)" if image.cached else "built from Debian packages"),
-         seconds, f"{image_dir}: kernel {image.manifest['kernel']['release']}, busybox, guest daemon")
+         seconds, f"{image_dir}: kernel {image.manifest['kernel']['release']}, busybox, "
+                  f"guest daemon")
     with contextlib.ExitStack() as stack:
         box = stack.enter_context(Sandbox.create(store, "agent", image=image.rootfs))
         _, seconds = timed(box.start)

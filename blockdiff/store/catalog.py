@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass, field
 
 from blockdiff.db import Database, Migrations, connect, damaged, migrate, schema_version
-from blockdiff.db.sqlite import immediate_transaction as immediate_transaction  # AgentDB's
 from blockdiff.errors import ConstraintFailed, DatabaseError
 
 MIGRATIONS = [
@@ -97,8 +96,7 @@ def id_prefix(value) -> str | None:
 def prefix_matches(db: Database, table: str, prefix: str,
                    limit: int = PREFIX_LIST) -> tuple[list[str], int]:
     """The first ``limit`` ids of ``table`` starting with ``prefix`` (already
-    checked to be hex digits, so LIKE sees no wildcard) and their number.
-    ``db`` may be a bare sqlite3 connection too (AgentDB's, for now)."""
+    checked to be hex digits, so LIKE sees no wildcard) and their number."""
     rows = db.execute(f"SELECT id, COUNT(*) OVER () FROM {table} WHERE id LIKE ? || '%' "
                       f"ORDER BY id LIMIT ?", (prefix, limit)).fetchall()
     return [row[0] for row in rows], rows[0][1] if rows else 0
