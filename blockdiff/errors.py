@@ -170,6 +170,11 @@ class ToolFailed(AgentError):
     """A tool call failed without taking effect."""
 
 
+class EnvironmentChanged(AgentError):
+    """A thread resumed under another model or system prompt than its head
+    checkpoint was taken under."""
+
+
 class SealingError(BlockdiffError):
     """A sealing key that is missing, malformed or not the one a sealed
     checkpoint was sealed with."""

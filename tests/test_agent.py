@@ -714,10 +714,13 @@ def test_an_agent_database_made_before_the_db_layer_is_adopted_as_it_is(setup):
     with Agent(store, "t", disk=disk, tools=bank.tools()) as a:
         order_step(a, image, 10)
         head, state = a.head, a.state
-    # Back to version 1 as it was then: no version table, no second migration.
+    # Back to version 1 as it was then: no version table, no later migration.
     raw = sqlite3.connect(store.root / model.DB_NAME, isolation_level=None)
     raw.execute("DROP TABLE schema_versions")
     raw.execute("DROP INDEX checkpoints_legacy_hash")
+    raw.execute("DROP INDEX checkpoints_environment")
+    raw.execute("ALTER TABLE checkpoints DROP COLUMN environment")
+    raw.execute("DROP TABLE environments")
     raw.execute("PRAGMA user_version = 1")
     raw.close()
     with Agent(store, "t", disk=disk, tools=bank.tools()) as a:

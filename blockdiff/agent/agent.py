@@ -22,6 +22,7 @@ the thread is rewound past them or its run fails.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -29,19 +30,23 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from blockdiff.agent.diff import Change, environment_changes
 from blockdiff.agent.disks import Disk, bound_disk, disk_binding, fork_disk
 from blockdiff.agent.model import (
+    REFUSED_CHANGES,
     AgentDB,
     Approval,
     Checkpoint,
     CheckpointResult,
     Compensation,
+    Environment,
     process_owner,
 )
 from blockdiff.agent.sealing import Codec
 from blockdiff.errors import (
     AgentError,
     AmbiguousCheckpoint,
+    EnvironmentChanged,
     InDoubt,
     ThreadBusy,
     ThreadFailed,
@@ -57,9 +62,9 @@ from blockdiff.store.store import Store, as_store
 __all__ = [
     "DEFAULT_LEASE", "NOT_APPLIED", "TRACE_POINTS", "Agent", "AgentDB", "AgentError",
     "AmbiguousCheckpoint", "Approval", "ApprovalPending", "Checkpoint", "CheckpointResult",
-    "Compensation", "InDoubt", "NotApplied", "Step", "ThreadBusy", "ThreadFailed", "Tool",
-    "ToolFailed", "UnknownCheckpoint", "UnknownThread", "bound_disk", "disk_binding",
-    "fork_thread", "request_id", "rewind_thread",
+    "Compensation", "Environment", "EnvironmentChanged", "InDoubt", "NotApplied", "Step",
+    "ThreadBusy", "ThreadFailed", "Tool", "ToolFailed", "UnknownCheckpoint", "UnknownThread",
+    "bound_disk", "disk_binding", "fork_thread", "request_id", "rewind_thread",
 ]
 
 DEFAULT_LEASE = 300.0
@@ -107,7 +112,7 @@ class Tool:
     them, and the call is simply run again on replay). ``idempotent``: running
     a request id twice has the effect of once. ``high_risk``: only as the
     first action of a step, so that the step's start is the checkpoint right
-    before it."""
+    before it. ``version``: recorded in the environment of each checkpoint."""
 
     name: str
     run: Callable
@@ -116,6 +121,7 @@ class Tool:
     external: bool = True
     idempotent: bool = False
     high_risk: bool = False
+    version: str | None = None
 
 
 def _new_id() -> str:
@@ -156,6 +162,15 @@ class Agent:
     ``trace`` is called with the name of each point of the step protocol as
     it is passed (see :data:`TRACE_POINTS`): for logging, and for tests that
     kill the process at each of them.
+
+    ``environment`` (an :class:`~blockdiff.agent.model.Environment` or a
+    dict of its fields) is what the run depends on besides: the model, the
+    system prompt, the tools (the agent's own ``tools`` added, with their
+    versions) and environment variables. Each checkpoint records it,
+    redacted and sealed like the state; without one, checkpoints keep the
+    head's. Resuming under another model or system prompt than the head's
+    raises :class:`EnvironmentChanged` unless ``allow_environment_change``;
+    other differences are listed in :attr:`environment_changes`.
     """
 
     def __init__(self, store: Store | str | os.PathLike, thread_id: str, *,
@@ -163,7 +178,9 @@ class Agent:
                  key: bytes | str | None = None, secrets: Iterable[str] = (),
                  redactor: Callable | None = None, ttl: float | None = None,
                  lease: float = DEFAULT_LEASE, create: bool = True,
-                 reopen_failed: bool = False, trace: Callable[[str], None] | None = None):
+                 reopen_failed: bool = False, trace: Callable[[str], None] | None = None,
+                 environment: Environment | dict | None = None,
+                 allow_environment_change: bool = False):
         if not thread_id or "/" in thread_id:
             raise UsageError(f"bad thread id {thread_id!r}")
         if ttl is not None:
@@ -175,6 +192,8 @@ class Agent:
         self.thread_id = thread_id
         self.disk = disk
         self.tools = {t.name: t for t in tools}
+        self.environment = self._full_environment(environment)
+        self.environment_changes: list[Change] = []
         self.ttl = ttl
         self.lease = lease
         self.owner = process_owner()
@@ -194,11 +213,11 @@ class Agent:
             self.messages: list = []
             self.resumed = info.head is not None
             if info.head is not None:
+                head = self.db.checkpoint(info.head)
+                self._check_environment(head, allow_environment_change)
                 self._load(info.head)
-                if self.disk is not None:
-                    head = self.db.checkpoint(info.head)
-                    if head.disk_snapshot:
-                        self.disk.restore(head.disk_snapshot)
+                if self.disk is not None and head.disk_snapshot:
+                    self.disk.restore(head.disk_snapshot)
             report = self.run_pending_compensations()
             if status_at_open in ("failing", "failed") and not reopen_failed:
                 if status_at_open == "failing" and not report.pending:
@@ -212,6 +231,32 @@ class Agent:
         except BaseException:
             self.close()
             raise
+
+    def _full_environment(self, given: Environment | dict | None) -> Environment | None:
+        """``given`` with the agent's own tools (and their versions) in its
+        tool set; the caller's names win."""
+        if given is None:
+            return None
+        given = Environment.of(given)
+        own = {name: tool.version for name, tool in self.tools.items()}
+        return dataclasses.replace(given, tools=own | dict(given.tools))
+
+    def _check_environment(self, head: Checkpoint, allow_change: bool) -> None:
+        """Compare the environment given with the head's, as written (a
+        redacted secret is no change), and refuse a changed model or prompt."""
+        if self.environment is None or head.environment_id is None:
+            return
+        changes = environment_changes(self.db.environment(head.environment_id),
+                                      self.db.as_written(self.environment))
+        refused = sorted({c.path.split(".")[0] for c in changes} & set(REFUSED_CHANGES))
+        if refused and not allow_change:
+            raise EnvironmentChanged(
+                f"thread {self.thread_id} was checkpointed under another "
+                f"{' and '.join(refused)} than it is resumed with; replaying its journal "
+                f"under another one can diverge from what it did. Pass "
+                f"allow_environment_change=True to go on (the next checkpoint records the "
+                f"new environment), or fork the thread")
+        self.environment_changes = changes
 
     def close(self, status: str | None = None) -> None:
         """Let go of the thread (its lease ends; ``status``, default idle) and the database."""
@@ -255,18 +300,32 @@ class Agent:
         # hash confirms no guess at a secret or a sealed value.
         written = self.codec.serialise(self.state), self.codec.serialise(self.messages)
         content = self.codec.content_hash(*written)
+        environment = self._environment_reference(head)
         if (head is not None and not force and head.content_hash == content
-                and head.disk_snapshot == disk_snapshot):
+                and head.disk_snapshot == disk_snapshot
+                and head.environment_id == self._environment_id(environment)):
             self.db.renew(self.thread_id, self.owner, self.lease)
             return CheckpointResult(head.id, True, time.monotonic() - start, disk_seconds)
         checkpoint_id = _new_id()
         self.db.record_checkpoint(checkpoint_id, self.thread_id, self.owner, parent=head,
                                   reason=reason, written=written, content_hash=content,
                                   disk_snapshot=disk_snapshot, meta=meta, ttl=self.ttl,
-                                  lease=self.lease)
+                                  lease=self.lease, environment=environment)
         self.head = checkpoint_id
         self.trace("checkpoint.recorded")
         return CheckpointResult(checkpoint_id, False, time.monotonic() - start, disk_seconds)
+
+    def _environment_reference(self, head: Checkpoint | None) -> Environment | str | None:
+        """What a new checkpoint records as its environment: the agent's,
+        or without one the head's (its id)."""
+        if self.environment is not None:
+            return self.environment
+        return head.environment_id if head is not None else None
+
+    def _environment_id(self, environment: Environment | str | None) -> str | None:
+        if isinstance(environment, Environment):
+            return self.db.environment_id(environment)
+        return environment
 
     # ------------------------------------------------------------- steps
 
@@ -462,7 +521,7 @@ class Agent:
                                   content_hash=target.content_hash,
                                   disk_snapshot=target.disk_snapshot,
                                   meta={"rewound_from": self.head}, ttl=self.ttl,
-                                  lease=self.lease, undo=rids)
+                                  lease=self.lease, undo=rids, environment=target.environment_id)
         self.head = rewound
         self.trace("rewind.marked")
         if self.disk is not None and target.disk_snapshot:
@@ -571,7 +630,7 @@ def fork_thread(store: Store, thread_id: str, checkpoint_id: str, new_thread: st
                                  written=written, content_hash=codec.content_hash(*written),
                                  disk_snapshot=_disk_snapshot(disk, new_thread, reason, target),
                                  meta={"forked_from": target.id}, ttl=None,
-                                 lease=DEFAULT_LEASE)
+                                 lease=DEFAULT_LEASE, environment=target.environment_id)
         finally:
             db.release(new_thread, owner)
     return head

@@ -11,6 +11,7 @@ whose lease was taken over stops instead of writing over the new holder."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -28,6 +29,7 @@ from blockdiff.errors import (
     ThreadBusy,
     UnknownCheckpoint,
     UnknownThread,
+    UsageError,
 )
 from blockdiff.store.catalog import candidates, id_prefix, prefix_matches
 from blockdiff.store.store import Store
@@ -105,6 +107,18 @@ MIGRATIONS = [
     f"""
     CREATE INDEX checkpoints_legacy_hash ON checkpoints(seq) WHERE {_LEGACY_HASH};
     """,
+    # The environment a checkpoint was taken under, stored once per content
+    # (its hash, keyed when sealed) and referenced by every checkpoint that
+    # shares it; older checkpoints have none.
+    """
+    CREATE TABLE environments (
+        id TEXT PRIMARY KEY,
+        body BLOB NOT NULL,
+        created REAL NOT NULL
+    );
+    ALTER TABLE checkpoints ADD COLUMN environment TEXT;
+    CREATE INDEX checkpoints_environment ON checkpoints(environment);
+    """,
 ]
 # Agent databases made before the db layer count their migrations in
 # PRAGMA user_version: adopted at that version.
@@ -137,6 +151,45 @@ def _approval_context(approval_id: str) -> str:
     return f"approval {approval_id}"
 
 
+def _environment_context(environment_id: str) -> str:
+    return f"environment {environment_id}"
+
+
+# What a resumed run is refused over: replaying a journal under another model
+# or prompt is how a replay starts to diverge (docs/agent.md).
+REFUSED_CHANGES = ("model", "model_version", "system_prompt")
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What a run depends on besides its state, messages, journal and disk:
+    the model and its version, the system prompt, the tools (name to
+    version, None when unversioned) and the environment variables it was
+    given. Stored with each checkpoint, redacted and sealed like the state."""
+
+    model: str | None = None
+    model_version: str | None = None
+    system_prompt: str | None = None
+    tools: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, value: "Environment | dict") -> "Environment":
+        """An environment from itself or a dict of its fields (``UsageError``
+        for a field it does not have)."""
+        if isinstance(value, Environment):
+            return value
+        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise UsageError(f"an agent environment has no {', '.join(sorted(unknown))}; "
+                             f"it has model, model_version, system_prompt, tools, env")
+        return cls(**value)
+
+    def as_dict(self) -> dict:
+        """Its fields, as written."""
+        return dataclasses.asdict(self)
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """An agent checkpoint as recorded (its state and messages are read with
@@ -154,6 +207,7 @@ class Checkpoint:
     disk_snapshot: str | None
     meta: dict | None    # None: sealed, and read without the key
     content_hash: str
+    environment_id: str | None = None   # its Environment's; None before they were kept
 
 
 @dataclass(frozen=True)
@@ -432,10 +486,10 @@ class AgentDB:
     # -------------------------------------------------------- checkpoints
 
     _CHECKPOINT_SELECT = ("SELECT id, thread, parent, step, version, created, expires, reason, "
-                          "disk_snapshot, meta, content_hash FROM checkpoints")
+                          "disk_snapshot, meta, content_hash, environment FROM checkpoints")
 
     def _checkpoint_from_row(self, row) -> Checkpoint:
-        return Checkpoint(*row[:9], self._meta(row[0], row[9]), row[10])
+        return Checkpoint(*row[:9], self._meta(row[0], row[9]), *row[10:])
 
     def _meta(self, checkpoint_id: str, stored) -> dict | None:
         if isinstance(stored, str):          # in the clear
@@ -491,27 +545,64 @@ class AgentDB:
         return (self.codec.decode(state, checkpoint_context(checkpoint_id, "state")),
                 self.codec.decode(messages, checkpoint_context(checkpoint_id, "messages")))
 
+    def environment_id(self, environment: Environment) -> str:
+        """The id ``environment`` is stored under: the content hash of what
+        is written (redacted; keyed when sealed, so it confirms no guess)."""
+        return self.codec.content_hash(self.codec.serialise(environment.as_dict()))
+
+    def as_written(self, environment: Environment) -> Environment:
+        """``environment`` as a checkpoint records it: secrets redacted."""
+        return Environment(**json.loads(self.codec.serialise(environment.as_dict())))
+
+    def environment(self, environment_id: str | None) -> Environment | None:
+        """The environment stored under ``environment_id`` (None for none),
+        read with :attr:`codec`."""
+        if environment_id is None:
+            return None
+        row = self.db.execute("SELECT body FROM environments WHERE id = ?",
+                              (environment_id,)).fetchone()
+        if row is None:
+            raise AgentError(f"environment {environment_id} is not in {self.store.root}: "
+                             f"the agent database is incomplete")
+        return Environment(**self.codec.decode(row[0], _environment_context(environment_id)))
+
+    def _store_environment(self, db, environment: Environment) -> str:
+        """The id of ``environment``, written first if no checkpoint has it yet."""
+        environment_id = self.environment_id(environment)
+        if db.execute("SELECT 1 FROM environments WHERE id = ?",
+                      (environment_id,)).fetchone() is None:
+            db.execute("INSERT INTO environments (id, body, created) VALUES (?, ?, ?)",
+                       (environment_id, self.codec.encode(environment.as_dict(),
+                                                          _environment_context(environment_id)),
+                        time.time()))
+        return environment_id
+
     def record_checkpoint(self, checkpoint_id: str, thread_id: str, owner: str, *,
                           parent: Checkpoint | None, reason: str, written: tuple[bytes, bytes],
                           content_hash: str, disk_snapshot: str | None, meta: dict,
-                          ttl: float | None, lease: float, undo: Iterable[str] = ()) -> None:
+                          ttl: float | None, lease: float, undo: Iterable[str] = (),
+                          environment: Environment | str | None = None) -> None:
         """Write the agent checkpoint ``checkpoint_id`` after ``parent`` and
         make it ``thread_id``'s head, renewing ``owner``'s lease, if ``owner``
         still holds the thread. ``written``: the state and messages as
         serialised (:meth:`Codec.serialise`), sealed here for this record.
         ``undo``: request ids marked for compensation in the same
         transaction (a rewind: a process dying after it resumes at the
-        rewound node and finishes the compensations)."""
+        rewound node and finishes the compensations). ``environment``: the
+        one it was taken under (an ``Environment``, stored once, or the id of
+        one stored already, as a rewind or a fork copies it)."""
         codec, now = self.codec, time.time()
         state, messages = written
         meta_data = codec.serialise(meta)
         with self.transaction() as db:
             self._check_owner(db, thread_id, owner)
             self._mark_undo(db, undo)
+            if isinstance(environment, Environment):
+                environment = self._store_environment(db, environment)
             db.execute(
                 "INSERT INTO checkpoints (id, thread, parent, step, version, created, expires, "
-                "reason, state, messages, content_hash, disk_snapshot, meta) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "reason, state, messages, content_hash, disk_snapshot, meta, environment) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (checkpoint_id, thread_id, parent.id if parent else None,
                  parent.step + 1 if parent else 0, FORMAT_VERSION, now,
                  now + ttl if ttl else None, reason,
@@ -520,13 +611,18 @@ class AgentDB:
                  content_hash, disk_snapshot,
                  # In the clear as JSON text, as before, when nothing is sealed.
                  codec.seal(meta_data, checkpoint_context(checkpoint_id, "meta"))
-                 if codec.sealing else meta_data.decode()))
+                 if codec.sealing else meta_data.decode(), environment))
             db.execute("UPDATE threads SET head = ?, lease_until = ? WHERE id = ?",
                        (checkpoint_id, now + lease, thread_id))
 
     def history(self, thread_id: str) -> list[Checkpoint]:
         """The head's ancestry, newest first (crossing into the thread forked from)."""
-        out, cursor = [], self.thread(thread_id).head
+        return self.ancestry(self.thread(thread_id).head)
+
+    def ancestry(self, checkpoint_id: str | None) -> list[Checkpoint]:
+        """``checkpoint_id`` and its ancestors, newest first, across threads
+        (back to the oldest one kept)."""
+        out, cursor = [], checkpoint_id
         while cursor:
             row = self.db.execute(self._CHECKPOINT_SELECT + " WHERE id = ?",
                                   (cursor,)).fetchone()
@@ -554,6 +650,8 @@ class AgentDB:
             db.executemany("DELETE FROM checkpoints WHERE id = ?", [(c.id,) for c in expired])
             still_used = {r[0] for r in db.execute(
                 "SELECT DISTINCT disk_snapshot FROM checkpoints WHERE disk_snapshot IS NOT NULL")}
+            db.execute("DELETE FROM environments WHERE id NOT IN (SELECT environment "
+                       "FROM checkpoints WHERE environment IS NOT NULL)")
         from blockdiff.store.store import UnknownSnapshot
 
         for snapshot in {c.disk_snapshot for c in expired if c.disk_snapshot} - still_used:
@@ -591,8 +689,22 @@ class AgentDB:
     def journal(self, thread_id: str) -> list[JournalEntry]:
         """Every call ``thread_id`` made, oldest first."""
         self.thread(thread_id)
-        return [JournalEntry(*r[:8], bool(r[8]), bool(r[9]), r[10]) for r in self.db.execute(
+        return [self._entry_from_row(r) for r in self.db.execute(
             self._JOURNAL_SELECT + " WHERE thread = ? ORDER BY seq", (thread_id,))]
+
+    @staticmethod
+    def _entry_from_row(row) -> JournalEntry:
+        return JournalEntry(*row[:8], bool(row[8]), bool(row[9]), row[10])
+
+    def calls_at(self, bases: Iterable[str]) -> list[JournalEntry]:
+        """The calls made in the steps that began at ``bases`` (in any
+        thread), oldest first."""
+        bases = list(bases)
+        if not bases:
+            return []
+        marks = ",".join("?" * len(bases))
+        return [self._entry_from_row(r) for r in self.db.execute(
+            self._JOURNAL_SELECT + f" WHERE base IN ({marks}) ORDER BY seq", bases)]
 
     @staticmethod
     def _call_from_row(row) -> JournalCall:

@@ -5,7 +5,14 @@ from __future__ import annotations
 import click
 
 from blockdiff.cli.options import dry_run_option, json_option, open_store, store_option
-from blockdiff.cli.output import as_dicts, emit_json, emit_records, printable, when
+from blockdiff.cli.output import (
+    as_dicts,
+    emit_json,
+    emit_records,
+    human_size,
+    printable,
+    when,
+)
 
 
 @click.group()
@@ -113,10 +120,11 @@ def agent_show(checkpoint_id, store_path, as_json):
     db = _agent_db(store_path, codec)
     cp = db.checkpoint(checkpoint_id)
     checkpoint_id = cp.id   # a prefix resolved
-    state_blob, messages_blob = db.contents(checkpoint_id)
+    state, messages = db.load(checkpoint_id)
+    environment = db.environment(cp.environment_id)
     record = dataclasses.asdict(cp) | {
-        "state": codec.decode(state_blob, f"checkpoint {checkpoint_id} state"),
-        "messages": codec.decode(messages_blob, f"checkpoint {checkpoint_id} messages")}
+        "state": state, "messages": messages,
+        "environment": environment.as_dict() if environment else None}
     if as_json:
         return emit_json(record)
     for key in ("id", "thread", "parent", "step", "reason", "disk_snapshot"):
@@ -125,10 +133,100 @@ def agent_show(checkpoint_id, store_path, as_json):
     click.echo(f"{'meta:':15}" + ("(sealed; give the key to read it)" if cp.meta is None
                                   else json.dumps(cp.meta, sort_keys=True)))
     click.echo(f"{'created:':15}{when(cp.created)}   expires: {when(cp.expires)}")
+    if environment is None:
+        click.echo(f"{'environment:':15}(none recorded)")
+    else:
+        click.echo(f"{'environment:':15}{printable(cp.environment_id)}")
+        for key, value in environment.as_dict().items():
+            click.echo(f"  {key + ':':16}{json.dumps(value, sort_keys=True)}")
     click.echo("state:\n" + json.dumps(record["state"], indent=2))
     click.echo(f"messages: {len(record['messages'])}")
     for m in record["messages"][-10:]:
         click.echo(f"  {json.dumps(m)}")
+
+
+def _value(value) -> str:
+    """A stored JSON value on one line, ASCII (nothing reaches the terminal raw)."""
+    import json
+
+    return json.dumps(value, sort_keys=True)
+
+
+def _echo_changes(title: str, changes) -> None:
+    click.echo(f"{title}: " + ("unchanged" if not changes else f"{len(changes)} change(s)"))
+    for c in changes:
+        if c.kind == "added":
+            click.echo(f"  + {printable(c.path)} = {_value(c.after)}")
+        elif c.kind == "removed":
+            click.echo(f"  - {printable(c.path)} (was {_value(c.before)})")
+        else:
+            click.echo(f"  ~ {printable(c.path)}: {_value(c.before)} -> {_value(c.after)}")
+
+
+def _echo_calls(title: str, calls) -> None:
+    click.echo(f"{title}: {len(calls)}")
+    for e in calls:
+        click.echo(f"  {printable(e.request_id)}  {printable(e.tool):16} {printable(e.status)}")
+
+
+@agent.command("diff")
+@click.argument("a", metavar="A")
+@click.argument("b", metavar="B")
+@store_option
+@json_option
+def agent_diff(a, b, store_path, as_json):
+    """What changed from checkpoint A to checkpoint B, of any threads.
+
+    The state key by key, the messages B added, the environment field by
+    field, the tool calls between them (or each one's since their common
+    ancestor when they are on different lines) and the disk's changed
+    ranges. A and B may be unique prefixes of their ids.
+
+    \b
+    Example:
+      blockdiff agent diff --store S 6050da99 1f0e2d3c
+    """
+    import dataclasses
+
+    from blockdiff.agent.diff import diff_checkpoints
+    from blockdiff.agent.sealing import Codec
+
+    result = diff_checkpoints(_agent_db(store_path, Codec()), a, b)
+    if as_json:
+        return emit_json(dataclasses.asdict(result))
+    click.echo(f"a: {printable(result.a.id)}  [{printable(result.a.thread)}] step {result.a.step}")
+    click.echo(f"b: {printable(result.b.id)}  [{printable(result.b.thread)}] step {result.b.step}")
+    if result.descends:
+        click.echo("lineage: b descends from a")
+    elif result.common_ancestor == result.b.id:
+        click.echo("lineage: a descends from b (b is behind it)")
+    elif result.common_ancestor:
+        click.echo(f"lineage: on different lines since {printable(result.common_ancestor)}")
+    else:
+        click.echo("lineage: on different lines, with no common ancestor kept")
+    _echo_changes("state", result.state)
+    click.echo(f"messages: {len(result.messages_added)} added, {result.messages_removed} of a's "
+               f"not in b ({result.common_messages} in common)")
+    for m in result.messages_added:
+        click.echo(f"  + {_value(m)}")
+    _echo_changes("environment", result.environment)
+    if result.descends:
+        _echo_calls("calls from a to b", result.calls_b)
+    else:
+        since = printable(result.common_ancestor or "its start")
+        _echo_calls(f"calls on a's line since {since}", result.calls_a)
+        _echo_calls(f"calls on b's line since {since}", result.calls_b)
+    disk = result.disk
+    if disk is None:
+        click.echo("disk: none")
+    elif disk.a_snapshot is None or disk.b_snapshot is None:
+        click.echo(f"disk: only one has a snapshot (a: {printable(disk.a_snapshot)}, "
+                   f"b: {printable(disk.b_snapshot)})")
+    else:
+        click.echo(f"disk: {printable(disk.a_snapshot)} -> {printable(disk.b_snapshot)}, "
+                   f"{human_size(disk.changed_bytes)} in {len(disk.ranges)} range(s)")
+        for r in disk.ranges:
+            click.echo(f"  {r.offset:#x}+{r.length:#x} {r.kind}")
 
 
 @agent.command("journal")
