@@ -103,6 +103,8 @@ def test_the_environment_is_stored_once_for_the_checkpoints_that_share_it(store)
 def test_an_environment_field_it_does_not_have_is_refused(store):
     with pytest.raises(UsageError, match="has no temperature"):
         Agent(store, "t", environment={"model": "m", "temperature": 0.2})
+    with Agent(store, "t", tools=tools(), environment={"tools": ["browser"]}) as a:
+        assert a.environment.tools == {"charge": "3.1", "email": None, "browser": None}
 
 
 @pytest.mark.parametrize("field, value", [("model", "claude-y"), ("model_version", "2026-06"),
@@ -112,7 +114,8 @@ def test_a_changed_model_or_prompt_is_refused_on_resume_unless_allowed(store, fi
         run_steps(a, 2)
         head = a.head
     changed = ENV | {field: value}
-    with pytest.raises(EnvironmentChanged, match=f"another {field} than it is resumed with"):
+    named = "the system prompt" if field == "system_prompt" else f"{field} '{ENV[field]}' \\(now"
+    with pytest.raises(EnvironmentChanged, match=f"another environment .*: {named}"):
         Agent(store, "t", tools=tools(), environment=changed)
     # The refused open let go of the thread: the old environment runs it on.
     with Agent(store, "t", tools=tools(), environment=ENV) as a:

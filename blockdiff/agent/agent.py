@@ -248,14 +248,15 @@ class Agent:
             return
         changes = environment_changes(self.db.environment(head.environment_id),
                                       self.db.as_written(self.environment))
-        refused = sorted({c.path.split(".")[0] for c in changes} & set(REFUSED_CHANGES))
+        refused = [c for c in changes if c.path in REFUSED_CHANGES]
         if refused and not allow_change:
+            what = ", ".join("the system prompt" if c.path == "system_prompt"
+                             else f"{c.path} {c.before!r} (now {c.after!r})" for c in refused)
             raise EnvironmentChanged(
-                f"thread {self.thread_id} was checkpointed under another "
-                f"{' and '.join(refused)} than it is resumed with; replaying its journal "
-                f"under another one can diverge from what it did. Pass "
-                f"allow_environment_change=True to go on (the next checkpoint records the "
-                f"new environment), or fork the thread")
+                f"thread {self.thread_id} is resumed under another environment than its head "
+                f"checkpoint's: {what} changed; replaying its journal under another model or "
+                f"prompt can diverge from what it did. Pass allow_environment_change=True to "
+                f"go on (the next checkpoint records the new environment), or fork the thread")
         self.environment_changes = changes
 
     def close(self, status: str | None = None) -> None:

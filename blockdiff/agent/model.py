@@ -176,14 +176,17 @@ class Environment:
     @classmethod
     def of(cls, value: "Environment | dict") -> "Environment":
         """An environment from itself or a dict of its fields (``UsageError``
-        for a field it does not have)."""
-        if isinstance(value, Environment):
-            return value
-        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise UsageError(f"an agent environment has no {', '.join(sorted(unknown))}; "
-                             f"it has model, model_version, system_prompt, tools, env")
-        return cls(**value)
+        for a field it does not have); ``tools`` may also be a list of
+        names, of no version."""
+        if not isinstance(value, Environment):
+            unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+            if unknown:
+                raise UsageError(f"an agent environment has no {', '.join(sorted(unknown))}; "
+                                 f"it has model, model_version, system_prompt, tools, env")
+            value = cls(**value)
+        if not isinstance(value.tools, dict):
+            value = dataclasses.replace(value, tools=dict.fromkeys(value.tools))
+        return value
 
     def as_dict(self) -> dict:
         """Its fields, as written."""
