@@ -8,7 +8,9 @@ module imports only from its own package or from the packages below it.
     store      the snapshot store over layers, maps and a catalog
     db         the one database layer under the catalog, agent records and saver
     engine     extents, identity, the diff formats, create/apply, view
-    errors, native   the error table; the one module over the C core
+    native     the one module over the C core
+    progress   how a long operation reports its progress (no imports)
+    errors     the error table
 
 Imports inside functions count as much as those at the top: a lazy import
 upward is still an upward dependency.
@@ -21,7 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "blockdiff"
-FLOORS = ["errors", "native", "engine", "db", "store", "vm", "agent", "demo", "cli", "__main__"]
+FLOORS = ["errors", "progress", "native", "engine", "db", "store", "vm", "agent", "demo", "cli",
+          "__main__"]
 RANK = {name: i for i, name in enumerate(FLOORS)}
 
 

@@ -23,6 +23,7 @@ from blockdiff.cli.options import (
     written_option,
 )
 from blockdiff.cli.output import emit_json, human_size, printable, when
+from blockdiff.cli.progress import progress_bar
 
 
 def _snapshot_dict(snap) -> dict:
@@ -82,12 +83,12 @@ def commit(store_path, image, parent, message, meta, ttl, skip_unchanged, writte
     Example:
       blockdiff commit --store S disk.img -m "pip install" --meta step=3
     """
-    with open_store(store_path) as store:
+    with open_store(store_path) as store, progress_bar("commit", as_json=as_json) as progress:
         before = None
         if skip_unchanged:   # what the commit compares with: its id back means unchanged
             before = store.resolve(parent) if parent is not None else store.lineage(image)[0]
         snap = store.commit(image, parent=parent, message=message, meta=meta, ttl=ttl,
-                            skip_unchanged=skip_unchanged, written=written)
+                            skip_unchanged=skip_unchanged, written=written, progress=progress)
     if as_json:
         return emit_json(_snapshot_dict(snap) | {"unchanged": snap.id == before})
     click.echo(snap.id)
@@ -111,8 +112,8 @@ def restore(store_path, snapshot_id, image, written, as_json):
     """
     import dataclasses
 
-    with open_store(store_path) as store:
-        result = store.restore(snapshot_id, image, written=written)
+    with open_store(store_path) as store, progress_bar("restore", as_json=as_json) as progress:
+        result = store.restore(snapshot_id, image, written=written, progress=progress)
     if as_json:
         return emit_json(dataclasses.asdict(result))
     if result.forked:
@@ -259,8 +260,8 @@ def verify(store_path, snapshot_id, as_json):
     Example:
       blockdiff verify --store S
     """
-    with open_store(store_path) as store:
-        problems = store.verify(snapshot_id)
+    with open_store(store_path) as store, progress_bar("verify", as_json=as_json) as progress:
+        problems = store.verify(snapshot_id, progress=progress)
     if as_json:
         emit_json({"consistent": not problems, "problems": problems})
     if not problems:
@@ -290,10 +291,10 @@ def export(store_path, snapshot_id, out, since, as_json):
     Example:
       blockdiff export --store S 3f2a9c0d1e2b4a5c step7.bdx --since 77e0a1b2c3d4e5f6
     """
-    with open_store(store_path) as store:
+    with open_store(store_path) as store, progress_bar("export", as_json=as_json) as progress:
         snapshot_id = store.resolve(snapshot_id)
         since = None if since is None else store.resolve(since)
-        result = store.export(snapshot_id, out, since)
+        result = store.export(snapshot_id, out, since, progress=progress)
     if as_json:
         return emit_json({"id": snapshot_id, "since": since, "out": out,
                           "ranges": result.ranges, "data_bytes": result.data_bytes,
@@ -315,8 +316,8 @@ def import_command(store_path, path, as_json):
     Example:
       blockdiff import --store S step7.bdx
     """
-    with open_store(store_path) as store:
-        result = store.import_(path)
+    with open_store(store_path) as store, progress_bar("import", as_json=as_json) as progress:
+        result = store.import_(path, progress=progress)
     if result.skipped:
         click.echo(f"skipped: {result.skipped} (the export checks out)", err=True)
     if as_json:
@@ -340,9 +341,9 @@ def compact(store_path, snapshot_id, as_json):
     Example:
       blockdiff compact --store S 3f2a9c0d1e2b4a5c
     """
-    with open_store(store_path) as store:
+    with open_store(store_path) as store, progress_bar("compact", as_json=as_json) as progress:
         before = len(store.load_map(store.get(snapshot_id)).pieces)
-        snap = store.compact(snapshot_id)
+        snap = store.compact(snapshot_id, progress=progress)
         after = len(store.load_map(snap).pieces)
     if as_json:
         return emit_json({"id": snap.id, "pieces_before": before, "pieces_after": after})

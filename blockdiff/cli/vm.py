@@ -16,6 +16,7 @@ from blockdiff.cli.options import (
     ttl_option,
 )
 from blockdiff.cli.output import emit_json, emit_records, printable
+from blockdiff.cli.progress import progress_bar
 
 
 @click.group()
@@ -62,8 +63,10 @@ def vm_build_image(directory, kernel_package, kernel_image, modules, disk_size, 
     """
     from blockdiff.vm.image import build_image
 
-    built = build_image(directory, kernel_package=kernel_package, kernel_image=kernel_image,
-                        modules=modules, disk_size=disk_size * 1024 * 1024, force=force)
+    with progress_bar("vm build-image") as progress:
+        built = build_image(directory, kernel_package=kernel_package, kernel_image=kernel_image,
+                            modules=modules, disk_size=disk_size * 1024 * 1024, force=force,
+                            progress=progress)
     kernel = built.manifest["kernel"]
     click.echo(f"{directory}: {'up to date' if built.cached else 'built'} "
                f"(kernel {kernel['release']}, {kernel['name']} {kernel['version']})".rstrip())
@@ -90,8 +93,9 @@ def vm_create(name, store_path, image, snapshot_id, kernel, memory, cpus):
     """
     from blockdiff.vm.sandbox import Sandbox
 
-    Sandbox.create(open_store(store_path), name, image=image, snapshot=snapshot_id,
-                   kernel=kernel, memory_mb=memory, cpus=cpus)
+    with progress_bar("vm create") as progress:
+        Sandbox.create(open_store(store_path), name, image=image, snapshot=snapshot_id,
+                       kernel=kernel, memory_mb=memory, cpus=cpus, progress=progress)
     click.echo(f"created VM {name}")
 
 
@@ -107,7 +111,8 @@ def vm_start(name, store_path, timeout):
       blockdiff vm start box
     """
     box = _sandbox(store_path, name)
-    box.start(timeout=timeout)
+    with progress_bar("vm start") as progress:
+        box.start(timeout=timeout, progress=progress)
     click.echo(f"VM {name} running ({box.status().accel})")
 
 
@@ -207,7 +212,8 @@ def vm_fork(name, snapshot_id, new_name, store_path, no_start, as_json):
     """
     box = _sandbox(store_path, name)
     snapshot_id = box.store.resolve(snapshot_id)
-    box.fork(snapshot_id, new_name, start=not no_start)
+    with progress_bar("vm fork", as_json=as_json) as progress:
+        box.fork(snapshot_id, new_name, start=not no_start, progress=progress)
     if as_json:
         return emit_json({"vm": new_name, "forked_from": snapshot_id, "running": not no_start})
     click.echo(f"VM {new_name} forked from {snapshot_id}" + ("" if no_start else ", running"))

@@ -33,6 +33,7 @@ from blockdiff.engine.extents import (
 from blockdiff.engine.files import atomic_output, clone_or_copy, open_fd
 from blockdiff.engine.units import human_size
 from blockdiff.errors import ChecksumMismatch, UsageError, WrongBase
+from blockdiff.progress import NO_PROGRESS, Progress
 
 BLOCK = 4096
 # Filesystems whose FIEMAP physical addresses identify shared (reflinked) data.
@@ -142,14 +143,16 @@ def compare_contents(target_fd: int, target_path: str, base_fd: int | None) -> R
 
 def create_diff(out: str | os.PathLike, target: str | os.PathLike,
                 base: str | os.PathLike | None = None, *, format: str = "v2",
-                target_id: bytes | None = None, base_digest: bool = False) -> CreateResult:
+                target_id: bytes | None = None, base_digest: bool = False,
+                progress: Progress = NO_PROGRESS) -> CreateResult:
     """Write a diff of ``target`` against ``base`` (or of target alone) to ``out``.
 
     ``format`` is "v2" (default: zero ranges, base identity, checksums) or
     "v1" (CognitionAI's BDIFFv1). Data is reflinked into ``out`` when it is on
     the target's filesystem and copied otherwise. ``out`` appears complete or
     not at all. ``base_digest`` (v2) also records a digest of the whole base,
-    read in full, for ``apply_diff(..., verify_base=True)``.
+    read in full, for ``apply_diff(..., verify_base=True)``. Writing the
+    data is a phase of ``progress``.
     """
     form = fmt.named(format)
     if base_digest and not form.records_base_digest:
@@ -179,8 +182,9 @@ def create_diff(out: str | os.PathLike, target: str | os.PathLike,
         containing = np.searchsorted(table.offset, src, side="right") - 1
         dst = np.uint64(data_offset) + data_pos[containing] + (src - table.offset[containing])
         out_fd, out_temp = stack.enter_context(atomic_output(out))
+        progress.start(int(length.sum()), "B", "writing the diff")
         crcs, reflinked = native.transfer_ranges(target_fd, out_fd, src, dst, length, out_temp,
-                                                 checksums=form.checksums_data)
+                                                 checksums=form.checksums_data, progress=progress)
         crc = None
         if crcs is not None:
             crc = np.zeros(len(table), np.uint32)
@@ -284,15 +288,17 @@ def _check_base(header: fmt.DiffHeader, diff: str, base_fd: int | None,
                         f"from the base the diff was made from; pass the right base")
 
 
-def verify_data(diff_fd: int, header: fmt.DiffHeader, diff: str) -> None:
+def verify_data(diff_fd: int, header: fmt.DiffHeader, diff: str,
+                progress: Progress = NO_PROGRESS) -> None:
     """Check every data range against its CRC32C, for a format that records
-    them (v1 does not)."""
+    them (v1 does not), a phase of ``progress``."""
     if not fmt.of(header).checksums_data:
         return
     is_data = header.ranges.kind == DATA
+    progress.start(int(header.ranges.length[is_data].sum()), "B", "checking the diff")
     crcs, _ = native.transfer_ranges(
         diff_fd, -1, np.uint64(header.data_offset) + header.data_pos[is_data], None,
-        header.ranges.length[is_data], diff, checksums=True)
+        header.ranges.length[is_data], diff, checksums=True, progress=progress)
     bad = np.flatnonzero(crcs != header.crc[is_data])
     if len(bad):
         i = int(np.flatnonzero(is_data)[bad[0]])
@@ -347,7 +353,7 @@ def _check_file_size(fd: int, header: fmt.DiffHeader, diff: str, target: str,
 
 def apply_diff(diff: str | os.PathLike, target: str | os.PathLike,
                base: str | os.PathLike | None = None, *,
-               verify_base: bool = False) -> ApplyResult:
+               verify_base: bool = False, progress: Progress = NO_PROGRESS) -> ApplyResult:
     """Rebuild the target a diff describes, at ``target``, from ``base``.
 
     Verifies the diff (header, table, v2 data checksums) and the base before
@@ -356,7 +362,8 @@ def apply_diff(diff: str | os.PathLike, target: str | os.PathLike,
     its snapshot id. ``verify_base`` also reads the whole base and compares it
     with the digest a diff made with ``base_digest=True`` records (refused,
     ``UsageError``, for a diff without one). Never modifies ``base``;
-    ``target`` is replaced atomically or left as it was.
+    ``target`` is replaced atomically or left as it was. Checking the data
+    is a phase of ``progress``.
     """
     diff, target = os.fspath(diff), os.fspath(target)
     base = None if base is None else os.fspath(base)
@@ -368,7 +375,7 @@ def apply_diff(diff: str | os.PathLike, target: str | os.PathLike,
         base_fd = None if base is None else stack.enter_context(open_fd(base))
         _check_base(header, diff, base_fd, base, verify_base)
         _check_capacity(header, diff, target)
-        verify_data(diff_fd, header, diff)
+        verify_data(diff_fd, header, diff, progress)
 
         mode = 0o666 if base_fd is None else os.fstat(base_fd).st_mode & 0o7777
         out_fd, temp = stack.enter_context(atomic_output(target, mode))

@@ -13,6 +13,7 @@ import numpy as np
 
 from blockdiff import native
 from blockdiff.engine.extents import ExtentMap, PieceTable, coalesce
+from blockdiff.progress import NO_PROGRESS, Progress
 from blockdiff.store.catalog import Snapshot
 from blockdiff.store.ids import new_id
 from blockdiff.store.layers import chunk_record, file_identity
@@ -22,7 +23,7 @@ from blockdiff.store.removal import refuse_lost_references
 from blockdiff.store.state import StoreState
 
 
-def compact(store: StoreState, snapshot_id: str) -> Snapshot:
+def compact(store: StoreState, snapshot_id: str, progress: Progress = NO_PROGRESS) -> Snapshot:
     """See ``Store.compact``."""
     layer = int(new_id(), 16)
     layer_path = store.layer_path(layer)
@@ -36,7 +37,7 @@ def compact(store: StoreState, snapshot_id: str) -> Snapshot:
         snapshot_id = snap.id   # a prefix resolved
         smap = store.load_map(snap)
         try:
-            store.layers.check_pieces(snap, smap.pieces, whole=True)
+            store.layers.check_pieces(snap, smap.pieces, whole=True, progress=progress)
             fd = objects.create(staged)
             try:
                 # The layer is the image itself (position = offset), its
@@ -44,13 +45,14 @@ def compact(store: StoreState, snapshot_id: str) -> Snapshot:
                 # out afresh.
                 native.truncate(fd, snap.size, staged)
                 pieces = smap.pieces
-                store.layers.fill(fd, str(staged), pieces, copy=True)
+                progress.start(int(pieces.length.sum()), "B", "copying")
+                store.layers.fill(fd, str(staged), pieces, copy=True, progress=progress)
                 native.fsync(fd, staged)
                 compacted = PieceTable(*coalesce(pieces.offset, pieces.length,
                                                  np.full(len(pieces), layer, np.int64),
                                                  pieces.offset.copy()), size=snap.size)
                 record = chunk_record(layer, fd, staged, compacted.pos, compacted.pos,
-                                      compacted.length)
+                                      compacted.length, progress=progress)
                 extents = ExtentMap.of_file(fd, staged, sync=False)  # fsynced above
             finally:
                 os.close(fd)

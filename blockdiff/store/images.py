@@ -36,6 +36,7 @@ from blockdiff.engine.extents import (
     union,
 )
 from blockdiff.errors import ConstraintFailed, StoreError, Unsupported
+from blockdiff.progress import NO_PROGRESS, Progress
 from blockdiff.store.catalog import Snapshot
 from blockdiff.store.ids import layer_number, new_id
 from blockdiff.store.layers import chunk_record, file_identity
@@ -75,7 +76,7 @@ def compare_with_file(fd: int, path: str, base: Path | None):
 def commit(store: StoreState, image: str | os.PathLike, *, parent: str | None = None,
            message: str = "", meta: dict | None = None, ttl: float | None = None,
            skip_unchanged: bool = False, written: Written | None = None,
-           imported: Snapshot | None = None) -> Snapshot:
+           imported: Snapshot | None = None, progress: Progress = NO_PROGRESS) -> Snapshot:
     """See ``Store.commit``; ``imported`` is its ``_imported``."""
     if ttl is not None:
         ttl = check_duration(ttl, "ttl")
@@ -115,7 +116,7 @@ def commit(store: StoreState, image: str | os.PathLike, *, parent: str | None = 
         try:
             # Checksums come from the image's bytes (in the page cache
             # after the step), chunk by chunk; the data is reflinked.
-            record = chunk_record(layer, fd, image, src, dst, length)
+            record = chunk_record(layer, fd, image, src, dst, length, progress=progress)
             out = store.object_files.create(layer_tmp)
             try:
                 native.transfer_ranges(fd, out, src, dst, length, layer_tmp)
@@ -189,7 +190,7 @@ def _changes(store: StoreState, fd: int, image: str, size: int, parent_snap: Sna
 
 
 def restore(store: StoreState, snapshot_id: str, image: str | os.PathLike, *,
-            written: Written | None = None) -> RestoreResult:
+            written: Written | None = None, progress: Progress = NO_PROGRESS) -> RestoreResult:
     """See ``Store.restore``."""
     image = os.fspath(image)
     # A dangling link counts as there: it is refused, not written through.
@@ -197,11 +198,11 @@ def restore(store: StoreState, snapshot_id: str, image: str | os.PathLike, *,
     elsewhere = exists and not os.path.islink(image) and (
         store.copy_mode or os.stat(image).st_dev != os.stat(store.objects).st_dev)
     if not exists or elsewhere:
-        return _fork(store, snapshot_id, image)
+        return _fork(store, snapshot_id, image, progress)
     return _restore_in_place(store, snapshot_id, image, written)
 
 
-def _fork(store: StoreState, snapshot_id: str, image: str) -> RestoreResult:
+def _fork(store: StoreState, snapshot_id: str, image: str, progress: Progress) -> RestoreResult:
     """Build an image of the snapshot whole and rename it over ``image``."""
     # Physical addresses compare only within one filesystem (and mean
     # nothing without reflink): such an image is rebuilt whole and
@@ -209,7 +210,7 @@ def _fork(store: StoreState, snapshot_id: str, image: str) -> RestoreResult:
     with store.lock.shared():
         snap = store.get(snapshot_id)
         smap = store.load_map(snap)
-        checked = store.layers.check_pieces(snap, smap.pieces, whole=True)
+        checked = store.layers.check_pieces(snap, smap.pieces, whole=True, progress=progress)
         with files.atomic_output(image) as (fd, temp):
             native.truncate(fd, snap.size, temp)
             store.layers.fill(fd, temp, smap.pieces)
@@ -260,19 +261,20 @@ def _restore_in_place(store: StoreState, snapshot_id: str, image: str,
 
 @contextlib.contextmanager
 def materialized(store: StoreState, snap: Snapshot | None, *,
-                 on: tuple[Snapshot, Path] | None = None):
+                 on: tuple[Snapshot, Path] | None = None, progress: Progress = NO_PROGRESS):
     """A temporary full image of a snapshot in the staging area (None: no
     file), checked like a fork. With ``on`` (an ancestor and its
     materialized image), it is a reflink copy of that image with only the
     ranges where the two snapshots hold other bytes rewritten, so that the
-    two files share every block they have in common."""
+    two files share every block they have in common. The check is a phase
+    of ``progress``."""
     if snap is None:
         yield None
         return
     path = store.object_files.staged(snap.id, f"{os.urandom(4).hex()}.img")
     try:
         smap = store.load_map(snap)
-        store.layers.check_pieces(snap, smap.pieces, whole=True)
+        store.layers.check_pieces(snap, smap.pieces, whole=True, progress=progress)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             if on is None:

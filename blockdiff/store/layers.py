@@ -20,6 +20,7 @@ import numpy as np
 from blockdiff import native
 from blockdiff.engine.extents import PieceTable, pieces_within, splice_pieces, union
 from blockdiff.errors import Damaged
+from blockdiff.progress import NO_PROGRESS, Progress
 from blockdiff.store.catalog import Catalog, LayerRecord, Snapshot
 from blockdiff.store.maps import PIECE_DTYPE, unpack_pieces
 from blockdiff.store.objects import DecodedCache, ObjectFiles, StoreLock, layer_name
@@ -43,12 +44,16 @@ def chunked(src: np.ndarray, dst: np.ndarray, length: np.ndarray, chunk: int = C
     return src[index] + offset, dst[index] + offset, part
 
 
-def chunk_record(layer: int, fd: int, path, src, dst, length, stat: str = "") -> LayerRecord:
+def chunk_record(layer: int, fd: int, path, src, dst, length, stat: str = "", *,
+                 progress: Progress | None = None) -> LayerRecord:
     """The record of a layer whose data is the ranges ``src`` of an open file,
-    to be kept at ``dst`` in the layer: each chunk's checksum, read from ``fd``."""
+    to be kept at ``dst`` in the layer: each chunk's checksum, read from ``fd``
+    (a phase of ``progress``, if given)."""
     order = np.argsort(dst, kind="stable")
     src, dst, length = src[order], dst[order], length[order]
-    crcs = native.chunk_crcs(fd, src, length, CHUNK, path)
+    if progress is not None:
+        progress.start(int(length.sum()), "B", "checksumming")
+    crcs = native.chunk_crcs(fd, src, length, CHUNK, path, progress=progress)
     runs = np.empty(len(dst), RUN_DTYPE)
     runs["pos"], runs["length"] = dst, length
     return LayerRecord(int(layer), runs.tobytes(), CHUNK, crcs.astype("<u4").tobytes(), None,
@@ -179,16 +184,18 @@ class Layers:
         bad = crcs != table.crc[index]
         return (c_pos[bad], c_len[bad]), int(c_len.sum()), ""
 
-    def check_whole(self, layer: int) -> tuple[tuple, int, str]:
+    def check_whole(self, layer: int, progress: Progress = NO_PROGRESS
+                    ) -> tuple[tuple, int, str]:
         """Check every chunk of a layer, in one pass over its runs, and vouch
-        for it when all match. Returns what :meth:`bad_chunks` does."""
+        for it when all match; the bytes read advance ``progress``. Returns
+        what :meth:`bad_chunks` does."""
         table = self.decoded(layer)
         path = self.files.layer_path(layer)
         try:
             identity = file_identity(path)
             with open(path, "rb") as f:
                 crcs = native.chunk_crcs(f.fileno(), table.run_pos, table.run_length,
-                                         table.record.chunk, path)
+                                         table.record.chunk, path, progress=progress)
         except OSError as e:
             return NO_CHUNKS, 0, f"{path.name}: {e.strerror or e}"
         bad = crcs != table.crc
@@ -208,18 +215,34 @@ class Layers:
         except OSError:
             return False
 
-    def check_pieces(self, snap: Snapshot, pieces: PieceTable, *, whole: bool) -> int:
+    def whole_bytes(self, layers) -> int:
+        """The bytes :meth:`check_whole` reads to check these layers (those
+        with a file and a record that decodes: the others fail at once)."""
+        total = 0
+        for layer in layers:
+            try:
+                if self.files.layer_path(layer).exists():
+                    total += int(self.decoded(layer).run_length.sum())
+            except Damaged:
+                pass
+        return total
+
+    def check_pieces(self, snap: Snapshot, pieces: PieceTable, *, whole: bool,
+                     progress: Progress = NO_PROGRESS) -> int:
         """Refuse (``Damaged``) to hand back pieces whose data fails its
         checksum. ``whole``: the pieces are a whole image (a fork, an export):
         layers vouched for are trusted, others are read whole and vouched for
-        when they pass. Otherwise only the chunks holding the pieces are read.
-        Returns the bytes read."""
+        when they pass, a phase of ``progress``. Otherwise only the chunks
+        holding the pieces are read. Returns the bytes read."""
         read = 0
-        for layer, sel in by_layer(pieces):
-            if whole and self.vouched(layer):
-                continue
+        groups = list(by_layer(pieces))
+        if whole:
+            groups = [(layer, sel) for layer, sel in groups if not self.vouched(layer)]
+            progress.start(self.whole_bytes(layer for layer, _ in groups), "B",
+                           "checking layers")
+        for layer, sel in groups:
             if whole:
-                bad, n, problem = self.check_whole(layer)
+                bad, n, problem = self.check_whole(layer, progress)
             else:
                 bad, n, problem = self.bad_chunks(layer, pieces.pos[sel], pieces.length[sel])
             read += n
@@ -244,15 +267,21 @@ class Layers:
             pieces = splice_pieces(pieces, starts, ends, inside)
         return pieces
 
-    def fill(self, out_fd: int, out_path: str, pieces: PieceTable, *, copy: bool = False) -> None:
+    def fill(self, out_fd: int, out_path: str, pieces: PieceTable, *, copy: bool = False,
+             progress: Progress | None = None) -> None:
         """Write pieces into a file at their offsets, one native call per layer:
         reflinked, or with ``copy`` copied through memory (asking for checksums
-        forces that; copy_file_range would reflink within one filesystem)."""
+        forces that; copy_file_range would reflink within one filesystem).
+        The bytes written advance ``progress``, if given."""
         for layer, sel in by_layer(pieces):
+            pos, offset, length = pieces.pos[sel], pieces.offset[sel], pieces.length[sel]
+            if progress is not None:
+                # Checksums of the whole pieces are not wanted: cut long
+                # pieces so that the progress moves while one is copied.
+                pos, offset, length = chunked(pos, offset, length, native.PROGRESS_BATCH)
             with open(self.files.layer_path(layer), "rb") as f:
-                native.transfer_ranges(f.fileno(), out_fd, pieces.pos[sel], pieces.offset[sel],
-                                       pieces.length[sel], out_path, reflink=not copy,
-                                       checksums=copy)
+                native.transfer_ranges(f.fileno(), out_fd, pos, offset, length, out_path,
+                                       reflink=not copy, checksums=copy, progress=progress)
 
     def adopt_unrecorded(self, lock: StoreLock) -> None:
         """Stores made before layers had records: record each layer file a

@@ -52,6 +52,7 @@ from blockdiff.errors import (
     Unsupported,
     UsageError,
 )
+from blockdiff.progress import NO_PROGRESS, Progress
 from blockdiff.store import compaction, images, removal, transfer, verify
 from blockdiff.store.catalog import Catalog, Snapshot
 from blockdiff.store.images import BLOCK, RestoreResult, Written
@@ -225,7 +226,8 @@ class Store(StoreState):
     def commit(self, image: str | os.PathLike, *, parent: str | None = None, message: str = "",
                meta: dict | None = None, ttl: float | None = None,
                skip_unchanged: bool = False, written: Written | None = None,
-               _imported: Snapshot | None = None) -> Snapshot:
+               _imported: Snapshot | None = None,
+               progress: Progress = NO_PROGRESS) -> Snapshot:
         """Snapshot an image; returns the new snapshot (or its parent, when
         ``skip_unchanged`` and nothing changed). The image must not be written
         meanwhile (pause the VM). ``_imported`` keeps another store's id,
@@ -239,13 +241,16 @@ class Store(StoreState):
         must cover every write. It maps the whole image anyway when the
         ranges cannot describe the change: the image's lineage is not a
         clean snapshot of this store, another parent is given, or its size
-        changed."""
+        changed.
+
+        ``progress`` (see blockdiff.progress) hears of the bytes checksummed."""
         return images.commit(self, image, parent=parent, message=message, meta=meta, ttl=ttl,
                              skip_unchanged=skip_unchanged, written=written,
-                             imported=_imported)
+                             imported=_imported, progress=progress)
 
     def restore(self, snapshot_id: str, image: str | os.PathLike, *,
-                written: Written | None = None) -> RestoreResult:
+                written: Written | None = None,
+                progress: Progress = NO_PROGRESS) -> RestoreResult:
         """Make ``image`` byte-identical to a snapshot.
 
         An existing image is patched in place: only the ranges where it differs
@@ -259,36 +264,43 @@ class Store(StoreState):
         since it was last committed or restored. With it, what differs is
         those ranges plus what differs between the two snapshots' maps, and
         the image is not mapped at all.
+
+        ``progress`` hears of the layer bytes a fork checks (an in-place
+        restore reads only the little it rewrites).
         """
-        return images.restore(self, snapshot_id, image, written=written)
+        return images.restore(self, snapshot_id, image, written=written, progress=progress)
 
     # ------------------------------------------------------------ transfer
 
-    def export(self, snapshot_id: str, out: str | os.PathLike,
-               since: str | None = None) -> engine.CreateResult:
+    def export(self, snapshot_id: str, out: str | os.PathLike, since: str | None = None, *,
+               progress: Progress = NO_PROGRESS) -> engine.CreateResult:
         """Write one portable file from which another store recreates a snapshot:
-        on its own, or on top of ``since``, an ancestor the other store has."""
-        return transfer.export(self, snapshot_id, out, since)
+        on its own, or on top of ``since``, an ancestor the other store has.
+        ``progress`` hears of the layer bytes checked and the data written."""
+        return transfer.export(self, snapshot_id, out, since, progress)
 
-    def import_(self, path: str | os.PathLike) -> ImportResult:
+    def import_(self, path: str | os.PathLike, *,
+                progress: Progress = NO_PROGRESS) -> ImportResult:
         """Recreate the snapshot an export file holds. The file is read and
         checked whole either way; a snapshot the store has already is skipped
         (``skipped`` says so), and an id this store once had and removed, or
-        one naming an object it holds, is refused."""
-        return transfer.import_(self, path)
+        one naming an object it holds, is refused. ``progress`` hears of the
+        bytes checked and checksummed."""
+        return transfer.import_(self, path, progress)
 
     # --------------------------------------------------------- maintenance
 
-    def compact(self, snapshot_id: str) -> Snapshot:
+    def compact(self, snapshot_id: str, *, progress: Progress = NO_PROGRESS) -> Snapshot:
         """Rewrite a snapshot's data into one new, physically contiguous layer.
 
         Its content and id stay the same; its piece table shrinks to one piece
         per data extent, so forks of it take a few clones instead of one per
         fragment. Images restored from it before compaction no longer share its
         blocks: their next commit stores them whole, so restore them from the
-        snapshot again (see docs/store.md).
+        snapshot again (see docs/store.md). ``progress`` hears of the bytes
+        checked, copied and checksummed.
         """
-        return compaction.compact(self, snapshot_id)
+        return compaction.compact(self, snapshot_id, progress)
 
     def rm(self, snapshot_id: str) -> Removal:
         """Delete one snapshot; its descendants stay restorable byte for byte."""
@@ -299,7 +311,8 @@ class Store(StoreState):
         sweep files no snapshot uses (left by interrupted operations)."""
         return removal.gc(self, policy, now=now, dry_run=dry_run)
 
-    def verify(self, snapshot_id: str | None = None) -> dict[str, list[str]]:
+    def verify(self, snapshot_id: str | None = None, *,
+               progress: Progress = NO_PROGRESS) -> dict[str, list[str]]:
         """Problems found, by snapshot id ("catalog" for the catalog itself).
 
         Checks the catalog's integrity and that it accounts for every layer a
@@ -307,9 +320,10 @@ class Store(StoreState):
         that snapshot files exist and are read-only; and every chunk of every
         layer a snapshot uses against its CRC32C. Damage in a layer is
         reported for every snapshot whose bytes it holds. Layers found whole
-        are vouched for (see ``VOUCH_SECONDS``).
+        are vouched for (see ``VOUCH_SECONDS``). ``progress`` hears of the
+        layer bytes read.
         """
-        return verify.verify(self, snapshot_id)
+        return verify.verify(self, snapshot_id, progress)
 
 
 def open_store(path: str | os.PathLike | None, *, freeing: bool = False) -> Store:

@@ -21,6 +21,7 @@ from pathlib import Path
 from blockdiff.engine import diff as engine
 from blockdiff.engine import files
 from blockdiff.errors import InvalidDiff, StoreError, UsageError
+from blockdiff.progress import NO_PROGRESS, Progress
 from blockdiff.store.catalog import Snapshot
 from blockdiff.store.ids import is_id, layer_number
 from blockdiff.store.images import commit, materialized
@@ -44,7 +45,7 @@ class ImportResult:
 
 
 def export(store: StoreState, snapshot_id: str, out: str | os.PathLike,
-           since: str | None = None) -> engine.CreateResult:
+           since: str | None = None, progress: Progress = NO_PROGRESS) -> engine.CreateResult:
     """See ``Store.export``."""
     out = os.fspath(out)
     with store.lock.shared():
@@ -67,10 +68,12 @@ def export(store: StoreState, snapshot_id: str, out: str | os.PathLike,
         # renamed only once both are on it: a whole export or nothing.
         temp = files.temp_beside(out)
         try:
-            with materialized(store, base) as base_path, materialized(
-                    store, snap, on=None if base is None else (base, base_path)) as target:
+            with materialized(store, base, progress=progress) as base_path, materialized(
+                    store, snap, on=None if base is None else (base, base_path),
+                    progress=progress) as target:
                 result = engine.create_diff(temp, target, base_path,
-                                            target_id=bytes.fromhex(snap.id) + bytes(8))
+                                            target_id=bytes.fromhex(snap.id) + bytes(8),
+                                            progress=progress)
             with open(temp, "ab") as f:
                 f.write(trailer)
                 f.flush()
@@ -88,7 +91,8 @@ def export(store: StoreState, snapshot_id: str, out: str | os.PathLike,
     return result
 
 
-def import_(store: StoreState, path: str | os.PathLike) -> ImportResult:
+def import_(store: StoreState, path: str | os.PathLike,
+            progress: Progress = NO_PROGRESS) -> ImportResult:
     """See ``Store.import_``."""
     path = os.fspath(path)
     record = read_export_record(path)
@@ -101,7 +105,7 @@ def import_(store: StoreState, path: str | os.PathLike) -> ImportResult:
     catalog = store.catalog
     if catalog.get(sid) is not None:
         with open(path, "rb") as f:
-            engine.verify_data(f.fileno(), header, path)
+            engine.verify_data(f.fileno(), header, path, progress)
         return ImportResult([sid], skipped=f"snapshot {sid} is in the store already")
     # Refused here before the diff is applied; commit checks the same again
     # in the transaction that would add the snapshot, where no race can pass.
@@ -122,11 +126,11 @@ def import_(store: StoreState, path: str | os.PathLike) -> ImportResult:
     imported = Snapshot(0, sid, None, info["created"], info["message"], info["meta"],
                         expires=info["expires"])
     target = store.object_files.staged(sid, "import.img")
-    with store.lock.shared(), materialized(store, base) as base_path:
+    with store.lock.shared(), materialized(store, base, progress=progress) as base_path:
         try:
-            engine.apply_diff(path, target, base_path)
+            engine.apply_diff(path, target, base_path, progress=progress)
             snap = commit(store, target, parent=None if base is None else base.id,
-                          imported=imported)
+                          imported=imported, progress=progress)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 target.unlink()

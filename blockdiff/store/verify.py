@@ -9,12 +9,14 @@ import numpy as np
 
 from blockdiff.engine.extents import subtract, union
 from blockdiff.errors import Damaged, StoreError
+from blockdiff.progress import NO_PROGRESS, Progress
 from blockdiff.store.layers import NO_CHUNKS, Layers, by_layer
 from blockdiff.store.objects import layer_name
 from blockdiff.store.state import StoreState
 
 
-def verify(store: StoreState, snapshot_id: str | None = None) -> dict[str, list[str]]:
+def verify(store: StoreState, snapshot_id: str | None = None,
+           progress: Progress = NO_PROGRESS) -> dict[str, list[str]]:
     """See ``Store.verify``."""
     problems: dict[str, list[str]] = {}
     catalog = store.catalog.integrity_problems()
@@ -24,15 +26,23 @@ def verify(store: StoreState, snapshot_id: str | None = None) -> dict[str, list[
         problems["catalog"] = catalog
     with store.lock.shared():
         snaps = [store.get(snapshot_id)] if snapshot_id else store.catalog.all()
-        checked: dict[int, tuple[list[str], tuple]] = {}
+        maps = {}
         for snap in snaps:
-            found: list[str] = []
-            path = store.map_path(snap)
             try:
-                smap = store.load_map(snap, cached=False)
+                maps[snap.id] = store.load_map(snap, cached=False)
             except (OSError, StoreError, Damaged, ValueError) as e:
                 problems[snap.id] = [f"map: {getattr(e, 'strerror', None) or e}"]
+        # Every layer is read once, however many snapshots use it.
+        every_layer = {int(layer) for smap in maps.values()
+                       for layer in np.unique(smap.pieces.layer)}
+        progress.start(store.layers.whole_bytes(every_layer), "B", "checking layers")
+        checked: dict[int, tuple[list[str], tuple]] = {}
+        for snap in snaps:
+            if snap.id not in maps:
                 continue
+            smap = maps[snap.id]
+            found: list[str] = []
+            path = store.map_path(snap)
             if os.stat(path).st_mode & 0o222:
                 found.append(f"{path.name} is writable")
             used = {int(layer) for layer in np.unique(smap.pieces.layer)}
@@ -42,7 +52,7 @@ def verify(store: StoreState, snapshot_id: str | None = None) -> dict[str, list[
                              f"{', '.join(layer_name(x) for x in sorted(used - refs))}")
             for layer, sel in by_layer(smap.pieces):
                 if layer not in checked:
-                    checked[layer] = _check_layer(store.layers, layer)
+                    checked[layer] = _check_layer(store.layers, layer, progress)
                 layer_problems, bad = checked[layer]
                 found += layer_problems
                 if len(bad[0]):
@@ -55,14 +65,15 @@ def verify(store: StoreState, snapshot_id: str | None = None) -> dict[str, list[
     return problems
 
 
-def _check_layer(layers: Layers, layer: int) -> tuple[list[str], tuple]:
-    """A layer's problems and its bad chunks; vouches for it if it has none."""
+def _check_layer(layers: Layers, layer: int, progress: Progress) -> tuple[list[str], tuple]:
+    """A layer's problems and its bad chunks; vouches for it if it has none.
+    The bytes read advance ``progress``."""
     path = layers.files.layer_path(layer)
     if not path.exists():
         return [f"layer {path.name} is missing"], NO_CHUNKS
     problems = [f"{path.name} is writable"] if os.stat(path).st_mode & 0o222 else []
     try:
-        bad, _, problem = layers.check_whole(layer)
+        bad, _, problem = layers.check_whole(layer, progress)
     except Damaged as e:
         return problems + [str(e).split(";")[0]], NO_CHUNKS
     return problems + ([problem] if problem else []), bad

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from blockdiff.engine.identity import sha256_file
 from blockdiff.errors import ImageBuildError
+from blockdiff.progress import NO_PROGRESS, Progress, Steps
 
 BUILDER_VERSION = 1
 GUEST_DIR = Path(__file__).with_name("guest")
@@ -316,13 +317,14 @@ def read_manifest(directory: str | os.PathLike) -> dict | None:
 def build_image(directory: str | os.PathLike, *, kernel_package: str = DEFAULT_KERNEL_PACKAGE,
                 kernel_image: str | os.PathLike | None = None,
                 modules: str | os.PathLike | None = None,
-                disk_size: int = DEFAULT_DISK_SIZE, force: bool = False) -> BuiltImage:
+                disk_size: int = DEFAULT_DISK_SIZE, force: bool = False,
+                progress: Progress = NO_PROGRESS) -> BuiltImage:
     """Build (or find already built) the VM image in ``directory``.
 
     The kernel is the Debian package ``kernel_package``, or a kernel of your
     own: ``kernel_image`` (a bzImage) with ``modules``, the directory holding
     its ``.ko`` files (``lib/modules/<release>``). Drivers it lacks as modules
-    are taken to be built in."""
+    are taken to be built in. Each step of a build is a phase of ``progress``."""
     directory = Path(directory)
     if disk_size < 16 << 20:
         raise ImageBuildError("the root disk needs at least 16 MiB")
@@ -345,10 +347,13 @@ def build_image(directory: str | os.PathLike, *, kernel_package: str = DEFAULT_K
 
     directory.mkdir(parents=True, exist_ok=True)
     cache = directory / ".debs"
+    steps = Steps(progress, 7 if kernel_image is None else 6)
+    steps.begin(f"downloading {busybox_pkg.name}")
     busybox_deb = download(busybox_pkg, cache)
     with tempfile.TemporaryDirectory(prefix=".build-", dir=directory) as tmp:
         work = Path(tmp)
         if kernel_image is None:
+            steps.begin(f"downloading and unpacking {kernel.name}")
             _run(["dpkg-deb", "-x", str(download(kernel, cache)), str(work / "kernel")],
                  "unpacking the kernel")
             vmlinuz = sorted((work / "kernel/boot").glob("vmlinuz-*"))
@@ -361,13 +366,18 @@ def build_image(directory: str | os.PathLike, *, kernel_package: str = DEFAULT_K
         else:
             kernel_file, guest_modules = kernel_image, local_modules
             release = Path(modules).name if modules is not None else "custom"
+        steps.begin("unpacking busybox")
         _run(["dpkg-deb", "-x", str(busybox_deb), str(work / "busybox")], "unpacking busybox")
         busybox = work / "busybox/bin/busybox"
         guestd = work / "blockdiff-guestd"
+        steps.begin("compiling the guest daemon")
         compile_guestd(guestd)
+        steps.begin("packing the initramfs")
         (work / "initrd.img").write_bytes(make_initramfs(busybox, guestd, guest_modules))
         shutil.copyfile(kernel_file, work / "vmlinuz")
+        steps.begin("making the root disk (mkfs.ext4)")
         make_rootfs(busybox, work / "rootfs.img", disk_size, work)
+        steps.begin("checksumming the image")
         manifest = {
             "key": key,
             "builder": BUILDER_VERSION,
@@ -383,4 +393,5 @@ def build_image(directory: str | os.PathLike, *, kernel_package: str = DEFAULT_K
         tmp_manifest = work / "manifest.json"
         tmp_manifest.write_text(json.dumps(manifest, indent=2) + "\n")
         os.replace(tmp_manifest, directory / "manifest.json")
+    steps.end()
     return BuiltImage(directory, manifest, cached=False)

@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from blockdiff.errors import BlockdiffError, GuestTimeout, VMError
+from blockdiff.progress import NO_PROGRESS, Progress, Steps
 from blockdiff.vm.guestlink import GuestLink, connect_unix
 from blockdiff.vm.nbd import dirty_ranges
 from blockdiff.vm.qemu import (
@@ -120,10 +121,12 @@ class Machine:
         except OSError:
             return None
 
-    def launch(self, timeout: float = DEFAULT_BOOT_TIMEOUT) -> None:
+    def launch(self, timeout: float = DEFAULT_BOOT_TIMEOUT,
+               progress: Progress = NO_PROGRESS) -> None:
         """Start QEMU, wait until the guest daemon answers, and start tracking
-        the guest's disk writes. If the guest does not come up in time, or
-        QEMU exits, QEMU is killed and the VMError quotes the guest's console."""
+        the guest's disk writes, each a phase of ``progress``. If the guest
+        does not come up in time, or QEMU exits, QEMU is killed and the
+        VMError quotes the guest's console."""
         name = self.vm.name
         if self.running:
             raise VMError(f"VM {name} is already running")
@@ -132,12 +135,15 @@ class Machine:
             raise VMError(f"the kernel of VM {name} is missing from {kernel_dir}; "
                           f"recreate the VM with --kernel DIR")
         kernel, initrd = kernel_dir / "vmlinuz", kernel_dir / "initrd.img"
+        steps = Steps(progress, 2)
+        steps.begin("starting QEMU")
         accel, _ = choose_accel(kernel, initrd)
         (self.directory / CONSOLE_LOG).unlink(missing_ok=True)
         Launch(name, self.directory, kernel, initrd, self.vm.disk, self.vm.memory_mb,
                self.vm.cpus, accel).start()
         (self.directory / ACCEL_FILE).write_text(accel + "\n")
         deadline = time.monotonic() + timeout
+        steps.begin(f"booting: waiting for the guest daemon ({accel})")
         try:
             with self.guest() as link:
                 link.ping(timeout=max(deadline - time.monotonic(), 0.1))
@@ -149,6 +155,7 @@ class Machine:
             self.kill()
             raise VMError(f"VM {name} stopped while booting; its console: "
                           f"{self._console_tail()}") from None
+        steps.end()
         # Without tracking (a QEMU that refuses it), every snapshot maps the
         # whole disk: slower, never wrong.
         with contextlib.suppress(VMError, OSError), self.qmp() as q, self._dir_fd() as fd:

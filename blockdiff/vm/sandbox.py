@@ -31,6 +31,7 @@ from pathlib import Path
 
 from blockdiff.engine.files import copy_file
 from blockdiff.errors import GuestError, UsageError, VMError
+from blockdiff.progress import NO_PROGRESS, Progress
 from blockdiff.store.catalog import Snapshot
 from blockdiff.store.store import Store, as_store
 from blockdiff.vm.guestlink import THAW, ExecResult, GuestLink
@@ -100,13 +101,14 @@ class Sandbox:
     def create(cls, store: Store | str | os.PathLike, name: str, *,
                image: str | os.PathLike | None = None, snapshot: str | None = None,
                kernel: str | os.PathLike | None = None, memory_mb: int = 256, cpus: int = 1,
-               ephemeral: bool = False) -> "Sandbox":
+               ephemeral: bool = False, progress: Progress = NO_PROGRESS) -> "Sandbox":
         """A new, stopped VM whose disk is a copy of ``image`` (reflinked when
         it is on the store's filesystem; committed as the VM's root snapshot)
         or a fork of store snapshot ``snapshot``.
         ``kernel`` is a directory holding ``vmlinuz`` and ``initrd.img`` (made by
         ``blockdiff vm build-image``); by default the image's own directory, or
-        the kernel the snapshot was taken with."""
+        the kernel the snapshot was taken with. ``progress`` hears of the
+        disk's bytes checked (a fork) or checksummed (its first commit)."""
         store = as_store(store)
         check_name(name)
         if (image is None) == (snapshot is None):
@@ -121,7 +123,7 @@ class Sandbox:
 
         def write_disk(disk: Path) -> None:
             if snap is not None:
-                store.restore(snap.id, disk)
+                store.restore(snap.id, disk, progress=progress)
             else:
                 copy_file(Path(image), disk)
 
@@ -136,7 +138,7 @@ class Sandbox:
             # first step changed, not for the whole disk.
             try:
                 store.commit(sandbox.disk, message=f"VM {name} created from {Path(image).name}",
-                             meta={"vm": name, "vm.kernel": kernel_key})
+                             meta={"vm": name, "vm.kernel": kernel_key}, progress=progress)
             except BaseException:
                 registry.remove(name)
                 raise
@@ -199,11 +201,13 @@ class Sandbox:
 
     # ---------------------------------------------------------- lifecycle
 
-    def start(self, *, timeout: float = DEFAULT_BOOT_TIMEOUT) -> None:
-        """Boot the VM (in the background) and wait until its guest daemon answers."""
+    def start(self, *, timeout: float = DEFAULT_BOOT_TIMEOUT,
+              progress: Progress = NO_PROGRESS) -> None:
+        """Boot the VM (in the background) and wait until its guest daemon
+        answers; the boot's phases go to ``progress``."""
         with self._lock():
             if not self.machine.running:
-                self.machine.launch(timeout)
+                self.machine.launch(timeout, progress)
 
     def stop(self, *, timeout: float = 20.0) -> None:
         """Shut the guest down cleanly (its disk unmounted); QEMU is killed if
@@ -369,11 +373,13 @@ class Sandbox:
         return pause.written is not None
 
     def fork(self, snapshot_id: str, new_name: str, *, start: bool = True,
-             timeout: float = DEFAULT_BOOT_TIMEOUT) -> "Sandbox":
-        """A new VM, like this one, whose disk is a fork of ``snapshot_id``."""
+             timeout: float = DEFAULT_BOOT_TIMEOUT,
+             progress: Progress = NO_PROGRESS) -> "Sandbox":
+        """A new VM, like this one, whose disk is a fork of ``snapshot_id``
+        (the fork's check and the boot go to ``progress``)."""
         other = Sandbox.create(self.store, new_name, snapshot=snapshot_id,
                                kernel=self.vm.kernel_dir, memory_mb=self.vm.memory_mb,
-                               cpus=self.vm.cpus)
+                               cpus=self.vm.cpus, progress=progress)
         if start:
-            other.start(timeout=timeout)
+            other.start(timeout=timeout, progress=progress)
         return other
