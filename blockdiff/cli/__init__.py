@@ -3,7 +3,8 @@
 One module per command group: ``diff`` (create, apply, view), ``demo``,
 ``store`` (init, commit, restore, log, ...), ``vm`` and ``agent``; under
 them ``errors`` (library errors to one line and an exit status), ``output``
-(escaping, ``--json``, sizes) and ``options`` (the shared options). Only
+(escaping, ``--json``, sizes), ``options`` (the shared options) and
+``progress`` (progress bars on a terminal). Only
 click is imported at start-up: the library and numpy are imported inside the
 commands, so that ``blockdiff --help`` stays quick.
 """
