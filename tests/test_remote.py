@@ -4,6 +4,7 @@ that keep secrets out, and a server killed mid-transfer."""
 
 from __future__ import annotations
 
+import filecmp
 import logging
 import os
 import threading
@@ -48,17 +49,6 @@ def write_random(path: Path, size: int, seed: int = 0) -> bytes:
     return data
 
 
-def same_bytes(a: Path, b: Path) -> bool:
-    """Two files compared a MiB at a time."""
-    with open(a, "rb") as fa, open(b, "rb") as fb:
-        while True:
-            block_a, block_b = fa.read(MiB), fb.read(MiB)
-            if block_a != block_b:
-                return False
-            if not block_a:
-                return True
-
-
 def leftovers(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name.endswith(".partial"))
 
@@ -92,7 +82,7 @@ def test_round_trip_of_odd_sizes(remote, s3_env, tmp_path, size):
     assert remote.put_file("layers/x", source) is False
     landed = tmp_path / "landed"
     remote.get_file("layers/x", landed, size)
-    assert same_bytes(source, landed)
+    assert filecmp.cmp(source, landed, shallow=False)
     assert landed.stat().st_mode & 0o777 == 0o600
     assert leftovers(tmp_path) == []
 
@@ -110,7 +100,7 @@ def test_sparse_file_with_data_at_both_ends(remote, tmp_path):
     remote.put_file("layers/sparse", source)
     landed = tmp_path / "landed"
     remote.get_file("layers/sparse", landed, size)
-    assert same_bytes(source, landed)
+    assert filecmp.cmp(source, landed, shallow=False)
     # The zeros between came back as holes, not as 300 MiB written.
     assert landed.stat().st_blocks * 512 < 16 * MiB
 
@@ -168,7 +158,7 @@ def test_memory_stays_bounded_by_what_is_in_flight(remote, tmp_path):
     # file is 60 MiB.
     assert upload_peak < 4 * PART + 8 * MiB, upload_peak
     assert download_peak < 4 * remote_module.PIECE + 8 * MiB, download_peak
-    assert same_bytes(source, tmp_path / "landed")
+    assert filecmp.cmp(source, tmp_path / "landed", shallow=False)
 
 
 @pytest.mark.parametrize("size", [1000, 2 * PART + 1])
@@ -423,4 +413,4 @@ def test_a_server_killed_mid_transfer_leaves_nothing_under_the_final_name(
         assert remote.stat("layers/y") is None
         assert remote.put_file("layers/y", source) is True
         remote.get_file("layers/y", landed, size)
-        assert same_bytes(source, landed)
+        assert filecmp.cmp(source, landed, shallow=False)
