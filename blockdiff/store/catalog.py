@@ -70,6 +70,30 @@ MIGRATIONS = [
     UPDATE snapshots SET refs = (SELECT COUNT(*) FROM layer_refs WHERE snapshot = seq);
     CREATE TABLE retired_ids (id TEXT PRIMARY KEY, removed REAL NOT NULL);
     """,
+    # 4: a store shared by several hosts (see blockdiff.store.shared). Each
+    # host that joined; the layer files each one holds in its own objects/
+    # (with when it placed the copy, last used it and last checked it whole:
+    # vouching is per copy); each layer's and map's size and when it was
+    # uploaded to the object store (NULL: not yet); the host that committed
+    # a snapshot.
+    """
+    CREATE TABLE hosts (id TEXT PRIMARY KEY, name TEXT NOT NULL, joined REAL NOT NULL);
+    CREATE TABLE layer_copies (
+        layer INTEGER NOT NULL REFERENCES layers(layer) ON DELETE CASCADE,
+        host TEXT NOT NULL REFERENCES hosts(id),
+        placed REAL NOT NULL,
+        used REAL NOT NULL,
+        checked REAL NOT NULL DEFAULT 0,
+        stat TEXT NOT NULL DEFAULT '',
+        PRIMARY KEY (layer, host)
+    );
+    CREATE INDEX layer_copies_host ON layer_copies(host, used);
+    ALTER TABLE layers ADD COLUMN size INTEGER;
+    ALTER TABLE layers ADD COLUMN uploaded REAL;
+    ALTER TABLE snapshots ADD COLUMN host TEXT;
+    ALTER TABLE snapshots ADD COLUMN map_size INTEGER;
+    ALTER TABLE snapshots ADD COLUMN map_uploaded REAL;
+    """,
 ]
 # Catalogs made before the db layer count their migrations in schema_migrations.
 SCHEMA = Migrations("catalog", MIGRATIONS, legacy="schema_migrations")
@@ -124,6 +148,7 @@ class Snapshot:
     expires: float | None = None
     map_sha256: str = ""
     map_base: str | None = None   # the snapshot whose map this one's is a delta on
+    host: str | None = None       # in a shared store: the host that committed it
 
 
 @dataclass
@@ -141,7 +166,7 @@ class LayerRecord:
 
 _SELECT = """
     SELECT s.seq, s.id, p.id, s.created, s.message, s.meta, s.size, s.changed_bytes,
-           s.ranges, s.expires, s.map_sha256, b.id
+           s.ranges, s.expires, s.map_sha256, b.id, s.host
     FROM snapshots s LEFT JOIN snapshots p ON p.seq = s.parent
     LEFT JOIN snapshots b ON b.seq = s.map_base
 """
@@ -170,6 +195,10 @@ class Catalog:
         except BaseException:
             self.db.close()
             raise
+        # The host this catalog is opened for, in a store shared by several
+        # (blockdiff.store.shared sets it): layer copies and their vouching
+        # are then per host. None: a store of one host.
+        self.host: str | None = None
 
     def close(self) -> None:
         """Close the connection."""
@@ -230,31 +259,44 @@ class Catalog:
             return row[0]
 
         if new_layer is not None:
-            self.add_layer(db, new_layer)
+            self.add_layer(db, new_layer, placed=snapshot.created)
         layers = sorted({int(layer) for layer in layers})
         seq = db.insert(
             "INSERT INTO snapshots (id, parent, created, message, meta, size, changed_bytes, "
-            "ranges, expires, map_sha256, map_base, refs) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            "ranges, expires, map_sha256, map_base, refs, host) "
+            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (snapshot.id, seq_of(snapshot.parent), snapshot.created, snapshot.message,
              json.dumps(snapshot.meta, sort_keys=True), snapshot.size, snapshot.changed_bytes,
              snapshot.ranges, snapshot.expires, snapshot.map_sha256,
-             seq_of(snapshot.map_base), len(layers)), key="seq")
+             seq_of(snapshot.map_base), len(layers), self.host), key="seq")
         db.executemany("INSERT INTO layer_refs VALUES (?, ?)",
                        [(seq, layer) for layer in layers])
         return seq
 
-    def add_layer(self, db, record: LayerRecord) -> None:
-        """Record a new layer file inside an open transaction."""
+    def add_layer(self, db, record: LayerRecord, placed: float | None = None) -> None:
+        """Record a new layer file inside an open transaction (in a shared
+        store: held by this host since ``placed``, by default now, and
+        checked there)."""
+        shared = self.host is not None
         db.execute("INSERT INTO layers (layer, ranges, chunk, crcs, origin, checked, stat) "
                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
                    (record.layer, record.ranges, record.chunk, record.crcs, record.origin,
-                    record.checked, record.stat))
+                    0.0 if shared else record.checked, "" if shared else record.stat))
+        if shared:
+            self.add_copy(db, record.layer, record.checked, record.stat, placed)
 
     def layer(self, layer: int) -> LayerRecord | None:
-        """The record of one layer, or None."""
-        row = self.db.execute("SELECT layer, ranges, chunk, crcs, origin, checked, stat "
-                              "FROM layers "
-                              "WHERE layer = ?", (int(layer),)).fetchone()
+        """The record of one layer, or None (in a shared store, its check
+        time and file identity are this host's copy's)."""
+        if self.host is None:
+            row = self.db.execute("SELECT layer, ranges, chunk, crcs, origin, checked, stat "
+                                  "FROM layers WHERE layer = ?", (int(layer),)).fetchone()
+        else:
+            row = self.db.execute(
+                "SELECT l.layer, l.ranges, l.chunk, l.crcs, l.origin, COALESCE(c.checked, 0), "
+                "COALESCE(c.stat, '') FROM layers l LEFT JOIN layer_copies c "
+                "ON c.layer = l.layer AND c.host = ? WHERE l.layer = ?",
+                (self.host, int(layer))).fetchone()
         return LayerRecord(*row) if row else None
 
     def unrecorded_layers(self) -> set[int]:
@@ -271,8 +313,12 @@ class Catalog:
         being ``stat``. Best effort: unrecorded, the layer is checked again
         next time (on a full disk, say)."""
         with contextlib.suppress(DatabaseError, OSError), self.transaction() as db:
-            db.execute("UPDATE layers SET checked = ?, stat = ? WHERE layer = ?",
-                       (checked, stat, int(layer)))
+            if self.host is None:
+                db.execute("UPDATE layers SET checked = ?, stat = ? WHERE layer = ?",
+                           (checked, stat, int(layer)))
+            else:
+                db.execute("UPDATE layer_copies SET checked = ?, stat = ? "
+                           "WHERE layer = ? AND host = ?", (checked, stat, int(layer), self.host))
 
     def layers_of(self, snapshot: Snapshot) -> set[int]:
         """The layers the catalog says a snapshot's pieces use."""
@@ -329,7 +375,8 @@ class Catalog:
         before = {layer for (layer,) in db.execute(
             "SELECT layer FROM layer_refs WHERE snapshot = ?", (snapshot.seq,))}
         layers = sorted({int(layer) for layer in layers})
-        db.execute("UPDATE snapshots SET map_sha256 = ?, map_base = NULL, refs = ? WHERE seq = ?",
+        db.execute("UPDATE snapshots SET map_sha256 = ?, map_base = NULL, refs = ?, "
+                   "map_uploaded = NULL, map_size = NULL WHERE seq = ?",
                    (digest, len(layers), snapshot.seq))
         db.execute("DELETE FROM layer_refs WHERE snapshot = ?", (snapshot.seq,))
         db.executemany("INSERT INTO layer_refs VALUES (?, ?)",
@@ -346,12 +393,132 @@ class Catalog:
     def set_full_maps(self, db, maps: dict[int, str]) -> None:
         """Point snapshots (by seq) at full maps (by digest), inside an open
         transaction."""
-        db.executemany("UPDATE snapshots SET map_sha256 = ?, map_base = NULL WHERE seq = ?",
+        # A new map is not in the object store yet (a shared store's host
+        # pushes it next).
+        db.executemany("UPDATE snapshots SET map_sha256 = ?, map_base = NULL, "
+                       "map_uploaded = NULL, map_size = NULL WHERE seq = ?",
                        [(digest, seq) for seq, digest in maps.items()])
 
     def layers_in_use(self) -> set[int]:
         """Every layer some snapshot's pieces use."""
         return {layer for (layer,) in self.db.execute("SELECT DISTINCT layer FROM layer_refs")}
+
+    # ------------------------------------------- a store shared by hosts
+
+    def join(self, host: str, name: str) -> None:
+        """Record a host joining the store (again: its name is updated)."""
+        with self.transaction() as db:
+            db.execute("INSERT INTO hosts (id, name, joined) VALUES (?, ?, ?) "
+                       "ON CONFLICT (id) DO UPDATE SET name = excluded.name",
+                       (host, name, time.time()))
+
+    def host_names(self) -> dict[str, str]:
+        """The name of every host that joined, by id."""
+        return dict(self.db.execute("SELECT id, name FROM hosts").fetchall())
+
+    def add_copy(self, db, layer: int, checked: float = 0.0, stat: str = "",
+                 placed: float | None = None) -> None:
+        """Inside an open transaction: this host holds a copy of ``layer``
+        since ``placed`` (by default now), checked whole at ``checked`` (0:
+        not yet) when its file was ``stat``."""
+        now = time.time() if placed is None else placed
+        db.execute("INSERT INTO layer_copies (layer, host, placed, used, checked, stat) "
+                   "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (layer, host) DO UPDATE SET "
+                   "placed = excluded.placed, used = excluded.used, "
+                   "checked = excluded.checked, stat = excluded.stat",
+                   (int(layer), self.host, now, now, checked, stat))
+
+    def copies_cover(self, snapshot: Snapshot, since: float) -> bool:
+        """Whether this host has held, since ``since`` or before, a copy of
+        every layer ``snapshot`` uses."""
+        row = self.db.execute(
+            "SELECT COUNT(*) FROM layer_refs r JOIN layer_copies c ON c.layer = r.layer "
+            "AND c.host = ? WHERE r.snapshot = ? AND c.placed <= ?",
+            (self.host, snapshot.seq, since)).fetchone()
+        total = self.db.execute("SELECT COUNT(*) FROM layer_refs WHERE snapshot = ?",
+                                (snapshot.seq,)).fetchone()
+        return row[0] == total[0]
+
+    def drop_copies(self, db, layers) -> None:
+        """Inside an open transaction: this host no longer holds ``layers``."""
+        db.executemany("DELETE FROM layer_copies WHERE layer = ? AND host = ?",
+                       [(int(layer), self.host) for layer in layers])
+
+    def copies_here(self) -> dict[int, float]:
+        """The layers this host holds, with when each was last used."""
+        return dict(self.db.execute("SELECT layer, used FROM layer_copies WHERE host = ?",
+                                    (self.host,)).fetchall())
+
+    def touch_copies(self, layers) -> None:
+        """Note that this host's copies of ``layers`` were just used (best
+        effort: the order of eviction is all it changes)."""
+        now = time.time()
+        with contextlib.suppress(DatabaseError, OSError), self.transaction() as db:
+            db.executemany("UPDATE layer_copies SET used = ? WHERE layer = ? AND host = ?",
+                           [(now, int(layer), self.host) for layer in layers])
+
+    def uploads(self, layers) -> dict[int, tuple[int | None, float | None]]:
+        """``(size, uploaded)`` of each of ``layers`` that has a record
+        (uploaded None: not in the object store yet)."""
+        found = {}
+        for layer in {int(x) for x in layers}:
+            row = self.db.execute("SELECT size, uploaded FROM layers WHERE layer = ?",
+                                  (layer,)).fetchone()
+            if row is not None:
+                found[layer] = (row[0], row[1])
+        return found
+
+    def pending_layers(self) -> list[int]:
+        """Layers this host holds that are not in the object store yet, oldest first."""
+        return [layer for (layer,) in self.db.execute(
+            "SELECT l.layer FROM layers l JOIN layer_copies c ON c.layer = l.layer "
+            "WHERE c.host = ? AND l.uploaded IS NULL ORDER BY c.placed", (self.host,))]
+
+    def pending_maps(self) -> list[Snapshot]:
+        """Snapshots whose map is not in the object store yet, oldest first
+        (the host that wrote a map holds its file)."""
+        return [_row(r) for r in self.db.execute(
+            _SELECT + " WHERE s.map_uploaded IS NULL ORDER BY s.seq")]
+
+    def mark_layer_uploaded(self, layer: int, size: int) -> bool:
+        """Record that ``layer`` (``size`` bytes) is in the object store;
+        False if it has no record any more (removed meanwhile)."""
+        with self.transaction() as db:
+            if db.execute("SELECT 1 FROM layers WHERE layer = ?", (int(layer),)).fetchone() \
+                    is None:
+                return False
+            db.execute("UPDATE layers SET uploaded = ?, size = ? WHERE layer = ?",
+                       (time.time(), size, int(layer)))
+            return True
+
+    def mark_map_uploaded(self, snapshot: Snapshot, size: int, db=None) -> bool:
+        """Record that the map ``snapshot`` names (``size`` bytes) is in the
+        object store; False if the snapshot is gone or names another map now."""
+        with contextlib.nullcontext(db) if db is not None else self.transaction() as db:
+            row = db.execute("SELECT map_sha256 FROM snapshots WHERE seq = ?",
+                             (snapshot.seq,)).fetchone()
+            if row is None or row[0] != snapshot.map_sha256:
+                return False
+            db.execute("UPDATE snapshots SET map_uploaded = ?, map_size = ? WHERE seq = ?",
+                       (time.time(), size, snapshot.seq))
+            return True
+
+    def map_upload(self, snapshot: Snapshot) -> tuple[int | None, float | None]:
+        """``(size, uploaded)`` of the map ``snapshot`` names now."""
+        row = self.db.execute("SELECT map_size, map_uploaded FROM snapshots WHERE seq = ? "
+                              "AND map_sha256 = ?", (snapshot.seq, snapshot.map_sha256)).fetchone()
+        return (row[0], row[1]) if row else (None, None)
+
+    def placement(self) -> dict[str, tuple[str | None, bool, set[int]]]:
+        """For every snapshot: the host that committed it, whether its own
+        map is uploaded, and the layers it uses that are not uploaded."""
+        found = {sid: (host, uploaded is not None, set()) for sid, host, uploaded in
+                 self.db.execute("SELECT id, host, map_uploaded FROM snapshots")}
+        for sid, layer in self.db.execute(
+                "SELECT s.id, r.layer FROM layer_refs r JOIN snapshots s ON s.seq = r.snapshot "
+                "JOIN layers l ON l.layer = r.layer WHERE l.uploaded IS NULL"):
+            found[sid][2].add(layer)
+        return found
 
     def store_problems(self) -> list[str]:
         """What makes the catalog unusable as a store's: no store id, a mode

@@ -37,6 +37,7 @@ def compact(store: StoreState, snapshot_id: str, progress: Progress = NO_PROGRES
         snapshot_id = snap.id   # a prefix resolved
         smap = store.load_map(snap)
         try:
+            store.layers.ensure_local(np.unique(smap.pieces.layer))
             store.layers.check_pieces(snap, smap.pieces, whole=True, progress=progress)
             fd = objects.create(staged)
             try:

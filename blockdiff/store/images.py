@@ -44,6 +44,7 @@ from blockdiff.store.lineage import image_locked, set_lineage
 from blockdiff.store.maps import MAP_CHAIN, SnapshotMap, delta_on, encode_map
 from blockdiff.store.retention import check_duration
 from blockdiff.store.state import StoreState
+from blockdiff.store.views import host_extents, record_view
 
 BLOCK = 4096
 
@@ -62,6 +63,7 @@ class RestoreResult:
     forked: bool         # a new image rather than one restored in place
     tracked: bool = False  # the differences came from written ranges, not an extent map
     checked_bytes: int = 0   # layer bytes read to check the restored data
+    fetched_bytes: int = 0   # layer bytes downloaded from the object store (a shared store)
 
 
 def compare_with_file(fd: int, path: str, base: Path | None):
@@ -91,6 +93,9 @@ def commit(store: StoreState, image: str | os.PathLike, *, parent: str | None = 
         parent_snap = None if parent is None else store.get(parent)
         parent = None if parent_snap is None else parent_snap.id   # a prefix resolved
         parent_map = None if parent_snap is None else store.load_map(parent_snap)
+        # The parent's extent map as it holds on this host (a shared store's
+        # may hold elsewhere only: blockdiff.store.views), else None.
+        basis = None if parent_snap is None else host_extents(store, parent_snap, parent_map)
 
         native.fsync(fd, image)
         size = os.fstat(fd).st_size
@@ -99,7 +104,10 @@ def commit(store: StoreState, image: str | os.PathLike, *, parent: str | None = 
         if not (parent_snap is not None and parent == known and state == "clean"
                 and size == parent_snap.size):
             written = None
-        emap, changes = _changes(store, fd, image, size, parent_snap, parent_map, written)
+        if parent_snap is not None and basis is None and not store.copy_mode:
+            written = None
+        emap, changes = _changes(store, fd, image, size, parent_snap, parent_map, basis,
+                                 written)
         if (skip_unchanged and parent_snap is not None and len(changes) == 0
                 and emap.size == parent_snap.size):
             return parent_snap
@@ -127,7 +135,10 @@ def commit(store: StoreState, image: str | os.PathLike, *, parent: str | None = 
                              data_pos, layer, emap.size)
             smap = SnapshotMap(pieces, emap, layer)
             delta = None
-            if parent_map is not None and parent_map.chain + 1 < MAP_CHAIN:
+            # A delta takes the parent's extents outside the change: only
+            # where they are the ones that hold here.
+            if (parent_map is not None and basis is parent_map.extents
+                    and parent_map.chain + 1 < MAP_CHAIN):
                 delta = delta_on(parent, parent_map, changes, emap.size)
                 smap.chain = parent_map.chain + 1
             raw = encode_map(smap, delta)
@@ -165,10 +176,13 @@ def commit(store: StoreState, image: str | os.PathLike, *, parent: str | None = 
 
 
 def _changes(store: StoreState, fd: int, image: str, size: int, parent_snap: Snapshot | None,
-             parent_map: SnapshotMap | None, written: Written | None):
+             parent_map: SnapshotMap | None, basis: ExtentMap | None,
+             written: Written | None):
     """``(extent map, changed ranges)`` of an fsynced image against its
     parent: from the ranges ``written`` since the parent, if given, else from
-    the whole image's extent map (or its contents, without reflink)."""
+    the whole image's extent map compared with ``basis``, the parent's extent
+    map where it holds here (or from the contents, without reflink or without
+    such a map)."""
     if store.copy_mode:
         emap = ExtentMap.from_arrays([], [], [], [], size)
         with materialized(store, parent_snap) as parent_copy:
@@ -177,16 +191,39 @@ def _changes(store: StoreState, fd: int, image: str, size: int, parent_snap: Sna
         raise Unsupported(f"{image} is not on the store's filesystem; keep images "
                           f"beside the store ({store.root}) so snapshots are "
                           f"reflinks")
+    if parent_snap is not None and basis is None:
+        return _changes_by_contents(store, fd, image, size, parent_snap, parent_map)
     if written is not None:
         starts, ends = normalize_ranges(*written, size, BLOCK)
         fresh = native.fiemap_ranges(fd, starts, ends, image)  # fsynced by the caller
-        emap, (now, before) = remap(parent_map.extents, starts, ends, fresh)
+        emap, (now, before) = remap(basis, starts, ends, fresh)
         now.check_supported(image)
         return emap, changed_ranges(now, before, BLOCK)
     emap = ExtentMap.of_file(fd, image, sync=False)  # fsynced by the caller
     emap.check_supported(image)
-    return emap, changed_ranges(emap, None if parent_map is None else parent_map.extents,
-                                BLOCK)
+    return emap, changed_ranges(emap, basis, BLOCK)
+
+
+def _changes_by_contents(store: StoreState, fd: int, image: str, size: int,
+                         parent_snap: Snapshot, parent_map: SnapshotMap):
+    """The changes of an image whose parent has no extent map that holds on
+    this host: found by comparing contents with the parent rebuilt from this
+    host's layers. The unchanged ranges are then cloned in again from those
+    layers (the same bytes), so that the image shares their blocks and the
+    extent map this commit records holds here from now on."""
+    with materialized(store, parent_snap) as parent_copy:
+        changes = compare_with_file(fd, image, parent_copy)
+    # The ranges between the changes (which come sorted and apart).
+    starts = np.concatenate(([0], changes.offset + changes.length)).astype(np.uint64)
+    ends = np.concatenate((changes.offset, [size])).astype(np.uint64)
+    keep = ends > starts
+    pieces, (hole_start, hole_end) = pieces_within(parent_map.pieces, starts[keep], ends[keep])
+    store.layers.fill(fd, image, pieces)
+    native.zero_ranges(fd, hole_start, hole_end - hole_start, image)
+    native.fsync(fd, image)
+    emap = ExtentMap.of_file(fd, image, sync=False)
+    emap.check_supported(image)
+    return emap, changes
 
 
 def restore(store: StoreState, snapshot_id: str, image: str | os.PathLike, *,
@@ -210,14 +247,17 @@ def _fork(store: StoreState, snapshot_id: str, image: str, progress: Progress) -
     with store.lock.shared():
         snap = store.get(snapshot_id)
         smap = store.load_map(snap)
+        fetched = store.layers.ensure_local(np.unique(smap.pieces.layer))
         checked = store.layers.check_pieces(snap, smap.pieces, whole=True, progress=progress)
         with files.atomic_output(image) as (fd, temp):
             native.truncate(fd, snap.size, temp)
             store.layers.fill(fd, temp, smap.pieces)
+            if host_extents(store, snap, smap) is None:
+                record_view(store, snap, smap, fd, temp)
             set_lineage(fd, store.id, snap.id, "clean")
     return RestoreResult(snap.id, image, len(smap.pieces),
                          int(smap.pieces.length.sum()), forked=True,
-                         checked_bytes=checked)
+                         checked_bytes=checked, fetched_bytes=fetched)
 
 
 def _restore_in_place(store: StoreState, snapshot_id: str, image: str,
@@ -229,11 +269,20 @@ def _restore_in_place(store: StoreState, snapshot_id: str, image: str,
         known, state = store.lineage(image)
         size = os.fstat(fd).st_size
         from_snap = store.get(known) if known is not None else None
-        tracked = (written is not None and from_snap is not None and state == "clean"
+        # Extent maps compare only where they hold on this host
+        # (blockdiff.store.views); without them the image is rewritten whole.
+        target_extents = host_extents(store, snap, smap)
+        from_extents = None
+        if written is not None and from_snap is not None and state == "clean":
+            from_extents = host_extents(store, from_snap)
+        whole = target_extents is None
+        tracked = (not whole and from_extents is not None
                    and from_snap.size == size == snap.size)
-        if tracked:
+        if whole:
+            starts, ends = np.zeros(1, np.uint64), np.full(1, snap.size, np.uint64)
+        elif tracked:
             # The image is its lineage snapshot except where it was written.
-            between = changed_ranges(smap.extents, store.load_map(from_snap).extents, BLOCK)
+            between = changed_ranges(target_extents, from_extents, BLOCK)
             starts, ends = normalize_ranges(*written, size, BLOCK)
             starts, ends = union(np.concatenate((between.offset, starts)),
                                  np.concatenate((between.offset + between.length, ends)))
@@ -241,11 +290,12 @@ def _restore_in_place(store: StoreState, snapshot_id: str, image: str,
         else:
             native.fsync(fd, image)
             current = ExtentMap.of_file(fd, image, sync=False)  # fsynced above
-            differ = changed_ranges(smap.extents, current, BLOCK)
+            differ = changed_ranges(target_extents, current, BLOCK)
             starts, ends = differ.offset, differ.offset + differ.length
         # Within the ranges that differ, the snapshot's pieces are cloned
         # in and the rest, its zeros, punched; checked before anything is.
         pieces, (hole_start, hole_end) = pieces_within(smap.pieces, starts, ends)
+        fetched = store.layers.ensure_local(np.unique(pieces.layer))
         checked = store.layers.check_pieces(snap, pieces, whole=False)
         # Marked first: a crash half-way leaves an image commit refuses.
         set_lineage(fd, store.id, snap.id, "restoring")
@@ -254,9 +304,12 @@ def _restore_in_place(store: StoreState, snapshot_id: str, image: str,
         store.layers.fill(fd, image, pieces)
         native.zero_ranges(fd, hole_start, hole_end - hole_start, image)
         native.fsync(fd, image)
+        if whole:
+            record_view(store, snap, smap, fd, image)
         set_lineage(fd, store.id, snap.id, "clean")
     return RestoreResult(snap.id, image, len(starts), int((ends - starts).sum()),
-                         forked=False, tracked=tracked, checked_bytes=checked)
+                         forked=False, tracked=tracked, checked_bytes=checked,
+                         fetched_bytes=fetched)
 
 
 @contextlib.contextmanager
@@ -274,6 +327,7 @@ def materialized(store: StoreState, snap: Snapshot | None, *,
     path = store.object_files.staged(snap.id, f"{os.urandom(4).hex()}.img")
     try:
         smap = store.load_map(snap)
+        store.layers.ensure_local(np.unique(smap.pieces.layer))
         store.layers.check_pieces(snap, smap.pieces, whole=True, progress=progress)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,7 @@ from blockdiff.store.objects import DecodedCache, ObjectFiles, StoreLock, layer_
 CHUNK = 16 * 1024
 VOUCH_SECONDS = 24 * 3600
 LAYER_CACHE = 4096   # decoded layer records kept per store
+FETCH_CONCURRENCY = 4   # layers fetched at once (each with its own parallel ranged GETs)
 RUN_DTYPE = np.dtype([("pos", "<u8"), ("length", "<u8")])
 NO_CHUNKS = (np.zeros(0, np.uint64), np.zeros(0, np.uint64))
 
@@ -137,6 +139,33 @@ class Layers:
         self.catalog = catalog
         self.files = files
         self._decoded = DecodedCache(LAYER_CACHE)
+        # In a shared store, what brings the layers this host lacks
+        # (blockdiff.store.shared.Fetcher); None in a store of one host.
+        self.fetcher = None
+
+    def ensure_local(self, layers) -> int:
+        """In a shared store: fetch those of ``layers`` this host lacks,
+        several at once, each checked chunk by chunk as it lands; the bytes
+        downloaded. A store of one host has every layer it names."""
+        if self.fetcher is None:
+            return 0
+        layers = sorted({int(x) for x in layers})
+        missing = [x for x in layers if not self.files.layer_path(x).exists()]
+
+        def fetch(layer: int) -> int:
+            table = self.decoded(layer)
+            return self.fetcher.layer(layer, table.run_pos, table.run_length,
+                                      table.record.chunk, table.crc)
+
+        if len(missing) <= 1:
+            fetched = sum(fetch(layer) for layer in missing)
+        else:
+            with ThreadPoolExecutor(min(FETCH_CONCURRENCY, len(missing)),
+                                    thread_name_prefix="layer-fetch") as pool:
+                fetched = sum(pool.map(fetch, missing))
+        # What was used last is evicted last (see blockdiff.store.replication).
+        self.catalog.touch_copies(layers)
+        return fetched
 
     def decoded(self, layer: int) -> DecodedLayer:
         """The catalog's record of a layer, decoded (``Damaged`` if it has

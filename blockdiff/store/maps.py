@@ -134,6 +134,9 @@ class Maps:
         self.catalog = catalog
         self.files = files
         self._decoded = DecodedCache(MAP_CACHE)
+        # In a shared store, what brings the maps this host lacks
+        # (blockdiff.store.shared.Fetcher); None in a store of one host.
+        self.fetcher = None
 
     def path(self, snap: Snapshot) -> Path:
         """Where a snapshot's map is."""
@@ -156,7 +159,10 @@ class Maps:
                 return known
         damaged = Damaged(f"the map of snapshot {snap.id} is damaged; "
                           f"run: blockdiff verify --store {self.files.root}")
-        raw = self.path(snap).read_bytes()
+        path = self.path(snap)
+        if self.fetcher is not None and not path.exists():
+            self.fetcher.map(snap)
+        raw = path.read_bytes()
         if hashlib.sha256(raw).hexdigest() != snap.map_sha256:
             raise damaged
         try:

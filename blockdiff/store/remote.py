@@ -114,14 +114,16 @@ def map_key(name: str) -> str:
 
 @dataclass(frozen=True)
 class ObjectInfo:
-    """An object: its key (below the remote's prefix), size, ETag and the
+    """An object: its key (below the remote's prefix), size, ETag, the
     digest it was stored with (None when unknown: listings do not carry it,
-    and objects not written by blockdiff have none)."""
+    and objects not written by blockdiff have none) and, in listings, when
+    it was written."""
 
     key: str
     size: int
     etag: str
     digest: str | None = None
+    modified: float | None = None   # when it was written (seconds since the epoch), if known
 
 
 @dataclass(frozen=True)
@@ -267,6 +269,13 @@ def parse_url(url: str) -> tuple[str, str]:
     return parts.netloc, parts.path.strip("/")
 
 
+def normal_url(url: str) -> str:
+    """The URL of a remote as it is recorded: ``s3://BUCKET/PREFIX`` (or
+    ``s3://BUCKET``), whatever slashes it was given with."""
+    bucket, prefix = parse_url(url)
+    return f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+
+
 def _public(endpoint: str) -> str:
     """An endpoint URL without any user name or password in it."""
     parts = urllib.parse.urlsplit(endpoint)
@@ -300,7 +309,7 @@ class S3Remote(ObjectBackend):
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         self.bucket, self.prefix = parse_url(url)
-        self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+        self.url = normal_url(url)
         self.part_size = part_size
         self.concurrency = concurrency
         config = Config(max_pool_connections=max(10, concurrency))
@@ -537,8 +546,10 @@ class S3Remote(ObjectBackend):
                 Bucket=self.bucket, Prefix=below + prefix)
             for page in pages:
                 for item in page.get("Contents", ()):
+                    written = item.get("LastModified")
                     yield ObjectInfo(item["Key"][len(below):], int(item["Size"]),
-                                     item.get("ETag", ""))
+                                     item.get("ETag", ""), None,
+                                     None if written is None else written.timestamp())
 
     def delete(self, keys: Sequence[str]) -> None:
         """See :meth:`ObjectBackend.delete`."""

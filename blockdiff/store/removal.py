@@ -18,7 +18,9 @@ from blockdiff.store.catalog import Catalog, Snapshot
 from blockdiff.store.ids import layer_number
 from blockdiff.store.objects import layer_name, unlink
 from blockdiff.store.retention import apply_policy
+from blockdiff.store.replication import forget_objects
 from blockdiff.store.state import StoreState
+from blockdiff.store.views import sweep_views
 
 
 @dataclass
@@ -74,6 +76,10 @@ def remove(store: StoreState, snaps: list[Snapshot], reasons: dict) -> Removal:
             for layer in unused:
                 freed += unlink(store.layer_path(layer))
                 store.layers.forget(layer)
+        if store.shared is not None:
+            # Their rows are gone on every host; other hosts' copies go
+            # with their next sweep.
+            forget_objects(store, unused, [snap] + dependents)
     return Removal([s.id for s in snaps], freed, reasons)
 
 
@@ -97,6 +103,13 @@ def sweep(store: StoreState) -> int:
     with store.lock.exclusive():
         catalog = store.catalog
         refuse_lost_references(catalog, store.root)
-        maps = {store.map_path(s).name for s in catalog.all()}
+        snaps = catalog.all()
+        maps = {store.map_path(s).name for s in snaps}
         layers = {layer_name(layer) for layer in catalog.layer_ids() | catalog.layers_in_use()}
+        if store.shared is not None:
+            # Keep only the copies this host's rows record: a file without
+            # its row is an eviction or a fetch cut short.
+            here = {layer_name(layer) for layer in catalog.copies_here()}
+            layers &= here
+            sweep_views(store, {f"{s.id}.{s.map_sha256[:16]}" for s in snaps})
         return store.object_files.sweep(maps | layers)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from pathlib import Path
 
 from blockdiff.store.catalog import Catalog, Snapshot
@@ -17,7 +18,9 @@ from blockdiff.store.ids import find_snapshot
 from blockdiff.store.layers import Layers
 from blockdiff.store.lineage import lineage_record
 from blockdiff.store.maps import Maps, SnapshotMap
+from blockdiff.errors import StoreError
 from blockdiff.store.objects import ObjectFiles, StoreLock
+from blockdiff.store.shared import REMOTE_SETTING, Fetcher, SharedConfig, open_remote
 
 # A preallocated file the store deletes to make room when the disk is full,
 # so that rm and gc can still open the catalog and free space.
@@ -27,9 +30,14 @@ RESERVE = 4 << 20
 class StoreState:
     """An open store's shared state, over its opened ``catalog``."""
 
-    def __init__(self, root: Path, catalog: Catalog):
+    def __init__(self, root: Path, catalog: Catalog, shared: SharedConfig | None = None):
         self.root = root
         self.catalog = catalog
+        # A store shared by several hosts: where the shared parts are
+        # (blockdiff.store.shared); None for a store of one host.
+        self.shared = shared
+        self._remote = None
+        self._remote_lock = threading.Lock()
         self.id = catalog.setting("store_id")
         # Without reflink the store copies data and compares contents.
         self.copy_mode = catalog.setting("mode") == "copy"
@@ -43,6 +51,26 @@ class StoreState:
         self.objects, self.staging = self.object_files.objects, self.object_files.staging
         self.maps = Maps(catalog, self.object_files)
         self.layers = Layers(catalog, self.object_files)
+        if shared is not None:
+            catalog.host = shared.host
+            fetcher = Fetcher(catalog, self.object_files, self.lock, lambda: self.remote,
+                              shared.host)
+            self.maps.fetcher = self.layers.fetcher = fetcher
+
+    @property
+    def remote(self):
+        """The object store of a shared store (made when first needed: its
+        client library is imported only then)."""
+        if self.shared is None:
+            return None
+        with self._remote_lock:
+            if self._remote is None:
+                url = self.catalog.setting(REMOTE_SETTING)
+                if not url:
+                    raise StoreError(f"the shared catalog of {self.root} names no object "
+                                     f"store; join it again with blockdiff init --remote")
+                self._remote = open_remote(url)
+            return self._remote
 
     def get(self, snapshot_id: str) -> Snapshot:
         """The catalog entry of a snapshot, given by its id or by a unique

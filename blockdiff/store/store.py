@@ -53,13 +53,26 @@ from blockdiff.errors import (
     UsageError,
 )
 from blockdiff.progress import NO_PROGRESS, Progress
-from blockdiff.store import compaction, images, removal, transfer, verify
+from blockdiff.store import compaction, images, removal, replication, transfer, verify
 from blockdiff.store.catalog import Catalog, Snapshot
 from blockdiff.store.images import BLOCK, RestoreResult, Written
 from blockdiff.store.lineage import LINEAGE_XATTR
 from blockdiff.store.maps import MAP_CHAIN, MAP_ERRORS, SnapshotMap
 from blockdiff.store.objects import fsync_dir, unlink
 from blockdiff.store.removal import Removal
+from blockdiff.store.shared import (
+    PASSFILE,
+    REMOTE_SETTING,
+    SHARED_FILE,
+    SharedConfig,
+    is_url,
+    new_host_name,
+    open_catalog,
+    read_config,
+    refuse_options,
+    split_password,
+    write_passfile,
+)
 from blockdiff.store.state import StoreState
 from blockdiff.store.transfer import EXPORT_MAGIC, ImportResult, read_export_record
 
@@ -80,6 +93,10 @@ class Store(StoreState):
         space (rm, gc), so on a full disk the store's reserve may be used."""
         self.root = Path(root)
         path = self.root / "catalog.sqlite"
+        shared = read_config(self.root)
+        if shared is not None:
+            self._open_shared(shared)
+            return
         if not path.exists():
             raise StoreError(f"{self.root} is not a blockdiff store; "
                              f"make one with: blockdiff init {self.root}")
@@ -106,16 +123,41 @@ class Store(StoreState):
         if not freeing:
             self.keep_reserve()
 
+    def _open_shared(self, shared: SharedConfig) -> None:
+        """Open a host's store joined to a shared catalog and object store."""
+        catalog = open_catalog(shared.catalog, self.root)
+        problems = catalog.store_problems()
+        if problems:
+            catalog.close()
+            raise Damaged(f"the shared catalog {shared.catalog} is damaged "
+                          f"({'; '.join(problems)})")
+        self.catalog = catalog
+        super().__init__(self.root, catalog, shared)
+        self.keep_reserve()
+
     @classmethod
     def init(cls, root: str | os.PathLike, *, allow_copy: bool = False,
-             group: str | int | None = None) -> "Store":
+             group: str | int | None = None, catalog: str | None = None,
+             remote: str | None = None) -> "Store":
         """Make a new, empty store in ``root`` (created if missing).
 
         The store is private to its owner; with ``group`` (a name or gid) that
         group may read it too. On a filesystem without reflink it refuses
         unless ``allow_copy``: then snapshots copy their data and commits
         compare contents, correct but slow (every commit reads the image and
-        its parent in full)."""
+        its parent in full).
+
+        With ``catalog`` (a ``postgresql://`` URL, or a SQLite file for stores
+        on one machine) and ``remote`` (``s3://BUCKET/PREFIX``), the store is
+        this host's part of a store shared by several (blockdiff.store.shared):
+        the first host makes the shared catalog, later ones join it (and may
+        leave ``remote`` out: the catalog knows it)."""
+        if catalog is not None:
+            return cls._init_shared(Path(root), catalog, remote, allow_copy=allow_copy,
+                                    group=group)
+        if remote is not None:
+            raise UsageError("--remote needs --catalog: the object store is shared through "
+                             "a shared catalog")
         root = Path(root)
         gid = None
         if group is not None:
@@ -167,6 +209,72 @@ class Store(StoreState):
             raise
         return cls(root)
 
+    @classmethod
+    def _init_shared(cls, root: Path, target: str, remote: str | None, *, allow_copy: bool,
+                     group) -> "Store":
+        """Make ``root`` a host's store of the shared catalog at ``target``."""
+        from blockdiff.store.remote import normal_url
+        refuse_options(allow_copy=allow_copy, group=group)
+        if (root / "catalog.sqlite").exists() or (root / SHARED_FILE).exists():
+            raise StoreError(f"{root} is already a blockdiff store")
+        remote = None if remote is None else normal_url(remote)   # refused before anything
+        if is_url(target):
+            public, password = split_password(target)
+        else:
+            public, password = str(Path(target).absolute()), None
+        made = [] if root.exists() else [root]
+        for parent in list(root.parents):
+            if parent.exists():
+                break
+            made.insert(0, parent)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            os.chmod(root, 0o700)
+            cls._probe_reflink(root, False)
+            os.close(os.open(root / "lock", os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+            for name in ("objects", "staging"):
+                (root / name).mkdir(exist_ok=True)
+                os.chmod(root / name, 0o700)
+            if password is not None:
+                write_passfile(root, public, password)
+            shared = open_catalog(public, root, create=True)
+            try:
+                host, name = os.urandom(8).hex(), new_host_name(root)
+                with shared.transaction() as db:
+                    settings = dict(db.execute("SELECT key, value FROM store").fetchall())
+                    if not settings:
+                        if remote is None:
+                            raise UsageError("the first host of a shared store names its "
+                                             "object store: pass --remote s3://BUCKET/PREFIX")
+                        for key, value in (("store_id", os.urandom(8).hex()),
+                                           ("mode", "reflink"), (REMOTE_SETTING, remote)):
+                            db.execute("INSERT INTO store (key, value) VALUES (?, ?)",
+                                       (key, value))
+                    elif REMOTE_SETTING not in settings or settings.get("mode") != "reflink":
+                        raise StoreError(f"{public} is the catalog of a store of one host, "
+                                         f"not of a shared store")
+                    elif remote is not None and settings[REMOTE_SETTING] != remote:
+                        raise UsageError(f"the shared catalog's object store is "
+                                         f"{settings[REMOTE_SETTING]}, not {remote}; "
+                                         f"leave --remote out to join it")
+                shared.join(host, name)
+            finally:
+                shared.close()
+            SharedConfig(public, host, name).write(root)
+            fsync_dir(root)
+        except BaseException:
+            for name in (SHARED_FILE, PASSFILE, "lock", "reserve"):
+                with contextlib.suppress(FileNotFoundError):
+                    (root / name).unlink()
+            for name in ("objects", "staging"):
+                with contextlib.suppress(OSError):
+                    (root / name).rmdir()
+            for path in reversed(made):
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+            raise
+        return cls(root)
+
     @staticmethod
     def _probe_reflink(root: Path, allow_copy: bool) -> str:
         """"reflink", or "copy" on a filesystem without it if ``allow_copy``."""
@@ -191,7 +299,11 @@ class Store(StoreState):
         return "reflink"
 
     def close(self) -> None:
-        """Close the catalog; the store is not used after."""
+        """Close the catalog (after the background pushes, if any, finish);
+        the store is not used after."""
+        pusher, self._pusher = getattr(self, "_pusher", None), None
+        if pusher is not None:
+            pusher.close()
         self.catalog.close()
 
     def __enter__(self) -> "Store":
@@ -226,7 +338,7 @@ class Store(StoreState):
     def commit(self, image: str | os.PathLike, *, parent: str | None = None, message: str = "",
                meta: dict | None = None, ttl: float | None = None,
                skip_unchanged: bool = False, written: Written | None = None,
-               _imported: Snapshot | None = None,
+               _imported: Snapshot | None = None, push: bool = True,
                progress: Progress = NO_PROGRESS) -> Snapshot:
         """Snapshot an image; returns the new snapshot (or its parent, when
         ``skip_unchanged`` and nothing changed). The image must not be written
@@ -243,10 +355,74 @@ class Store(StoreState):
         clean snapshot of this store, another parent is given, or its size
         changed.
 
+        In a shared store the snapshot is uploaded before this returns, unless
+        ``push`` is false (it is then pending until :meth:`push`) or pushes run
+        in the background (:meth:`push_in_background`).
+
         ``progress`` (see blockdiff.progress) hears of the bytes checksummed."""
-        return images.commit(self, image, parent=parent, message=message, meta=meta, ttl=ttl,
+        snap = images.commit(self, image, parent=parent, message=message, meta=meta, ttl=ttl,
                              skip_unchanged=skip_unchanged, written=written,
                              imported=_imported, progress=progress)
+        if self.shared is not None and push:
+            self._pushed_after(snap.id)
+        return snap
+
+    # -------------------------------------------------- a shared store
+
+    def _pushed_after(self, snapshot_id: str | None) -> None:
+        """After an operation that wrote objects: push them now, or ask the
+        background pusher to."""
+        pusher = getattr(self, "_pusher", None)
+        if pusher is not None:
+            pusher.request()
+        else:
+            replication.push(self, snapshot_id)
+
+    def push(self, snapshot_id: str | None = None, *,
+             progress: Progress = NO_PROGRESS) -> replication.PushResult:
+        """Upload what this host wrote that the object store lacks (all of
+        it, or what one snapshot needs)."""
+        return replication.push(self, snapshot_id, progress)
+
+    def push_in_background(self) -> replication.BackgroundPush:
+        """From now on commits return once committed here and are uploaded by
+        a thread of this store's (see ``BackgroundPush``); what is pending
+        already is pushed at once."""
+        if self.shared is None:
+            raise StoreError(f"{self.root} is a store of one host: nothing to push")
+        if getattr(self, "_pusher", None) is None:
+            self._pusher = replication.BackgroundPush(self)
+            self._pusher.request()
+        return self._pusher
+
+    def wait_pushed(self, timeout: float | None = None) -> bool:
+        """Wait for the background pushes asked for so far (False on timeout);
+        raises what made the last attempt fail."""
+        pusher = getattr(self, "_pusher", None)
+        return True if pusher is None else pusher.wait(timeout)
+
+    def pull(self, snapshot_id: str) -> int:
+        """Fetch what a snapshot needs onto this host; the bytes downloaded."""
+        return replication.pull(self, snapshot_id)
+
+    def placement(self) -> list[replication.Placement]:
+        """Where every snapshot is, newest first: here or not, durable or not."""
+        return replication.placement(self)
+
+    def durable(self, snapshot_id: str) -> bool:
+        """Whether a snapshot can be restored by any host (in a store of one
+        host: False, there being no object store)."""
+        sid = self.get(snapshot_id).id
+        return any(p.durable for p in self.placement() if p.snapshot == sid)
+
+    def evict(self, cache_size: int) -> tuple[list[int], int]:
+        """Drop this host's least recently used uploaded layer copies until
+        they take at most ``cache_size`` bytes; the layers and bytes freed."""
+        return replication.evict(self, cache_size)
+
+    def sweep_remote(self) -> int:
+        """Delete the objects no snapshot uses (older than an hour)."""
+        return replication.sweep_remote(self)
 
     def restore(self, snapshot_id: str, image: str | os.PathLike, *,
                 written: Written | None = None,
@@ -300,16 +476,25 @@ class Store(StoreState):
         snapshot again (see docs/store.md). ``progress`` hears of the bytes
         checked, copied and checksummed.
         """
-        return compaction.compact(self, snapshot_id, progress)
+        snap = compaction.compact(self, snapshot_id, progress)
+        if self.shared is not None:
+            self._pushed_after(snap.id)
+        return snap
 
     def rm(self, snapshot_id: str) -> Removal:
         """Delete one snapshot; its descendants stay restorable byte for byte."""
-        return removal.rm(self, snapshot_id)
+        result = removal.rm(self, snapshot_id)
+        if self.shared is not None:
+            self._pushed_after(None)     # the maps rewritten whole, if any
+        return result
 
     def gc(self, policy, *, now: float | None = None, dry_run: bool = False) -> Removal:
         """Remove expired snapshots and those the policy does not keep, then
         sweep files no snapshot uses (left by interrupted operations)."""
-        return removal.gc(self, policy, now=now, dry_run=dry_run)
+        result = removal.gc(self, policy, now=now, dry_run=dry_run)
+        if self.shared is not None and not dry_run:
+            self._pushed_after(None)
+        return result
 
     def verify(self, snapshot_id: str | None = None, *,
                progress: Progress = NO_PROGRESS) -> dict[str, list[str]]:

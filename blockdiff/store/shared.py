@@ -1,0 +1,241 @@
+"""A store shared by several hosts: what joins a host's store directory to
+the shared catalog and the object store, and what brings the objects a host
+lacks into its ``objects/``.
+
+Each host keeps its own store directory on its own reflink filesystem: the
+layers and maps it holds, its staging area, its images and VMs. All hosts
+share the catalog (the snapshot tree, the layer records with their chunk
+checksums, which host holds which layer, what is uploaded) and the object
+store (:mod:`blockdiff.store.remote`), where every layer and map lands once
+uploaded. A snapshot is *local* on a host that holds its map and every
+layer it uses, and *durable* once all of those are in the object store: from
+then on any host can restore it, fetching what it lacks.
+
+The host's directory says where the shared parts are in ``STORE/shared.json``
+(private to the owner): the catalog's URL without any password in it (or a
+SQLite file's path, for stores on one machine), this host's id in the
+catalog and its name. A password given in the URL at ``init`` goes to
+``STORE/catalog.pgpass`` (0600, libpq's passfile format) rather than into
+the JSON, so it is never printed with the configuration; credentials may
+equally come from libpq's environment (``PGPASSWORD``, ``~/.pgpass``). The
+object store's URL (``s3://BUCKET/PREFIX``) is a setting of the shared
+catalog, the same for every host; its endpoint and credentials come from
+the standard places boto3 reads (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``
+and ``AWS_SECRET_ACCESS_KEY``, ``~/.aws``) and are never stored.
+
+Fetching (:class:`Fetcher`): a layer or map this host lacks is downloaded
+into ``staging/``, checked (a layer chunk by chunk against the CRC32C the
+catalog keeps, a map by its digest when it is read), and linked into
+``objects/`` under the shared store lock, then recorded as this host's copy,
+vouched for since every chunk was just checked. A layer not uploaded yet is
+refused with the host that holds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+import urllib.parse
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from blockdiff.errors import ConstraintFailed, StoreError, UsageError
+from blockdiff.store.catalog import Catalog, Snapshot
+from blockdiff.store.layers import file_identity
+from blockdiff.store.objects import ObjectFiles, StoreLock, fsync_dir
+
+SHARED_FILE = "shared.json"
+PASSFILE = "catalog.pgpass"
+REMOTE_SETTING = "remote"
+URL_SCHEMES = ("postgresql", "postgres")
+
+
+@dataclass(frozen=True)
+class SharedConfig:
+    """Where a host's store finds the parts it shares (``STORE/shared.json``)."""
+
+    catalog: str     # the catalog's URL without a password, or a SQLite file's absolute path
+    host: str        # this host's id in the catalog
+    name: str        # what messages call this host
+
+    def write(self, root: Path) -> None:
+        """Write the file (private, never over one)."""
+        fd = os.open(root / SHARED_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                     0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": 1, **asdict(self)}, f, indent=1, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def read_config(root: Path) -> SharedConfig | None:
+    """The store's shared configuration, or None for a store of one host."""
+    path = root / SHARED_FILE
+    try:
+        raw = path.read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        data = json.loads(raw)
+        if data.pop("version") != 1:
+            raise ValueError("an unknown version")
+        config = SharedConfig(**data)
+        if not all(isinstance(v, str) and v for v in asdict(config).values()):
+            raise ValueError("empty fields")
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise StoreError(f"{path} is damaged ({e}); it says where the shared catalog is: "
+                         f"write it again, or join the store anew with blockdiff init") from None
+    return config
+
+
+def is_url(target: str) -> bool:
+    """Whether a catalog is given as a database URL rather than a file."""
+    return urllib.parse.urlsplit(target).scheme in URL_SCHEMES
+
+
+def split_password(url: str) -> tuple[str, str | None]:
+    """``(url without its password, the password or None)``."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url, None
+    userinfo, host = parts.netloc.rsplit("@", 1)
+    user = userinfo.split(":", 1)[0]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}@{host}")), \
+        urllib.parse.unquote(parts.password)
+
+
+def write_passfile(root: Path, url: str, password: str) -> None:
+    """Keep a password given in the catalog URL where libpq reads passwords
+    from (its passfile format), private to the owner."""
+    parts = urllib.parse.urlsplit(url)
+
+    def field(value) -> str:
+        return str(value or "*").replace("\\", "\\\\").replace(":", "\\:")
+
+    line = ":".join(field(v) for v in (parts.hostname, parts.port or 5432,
+                                        parts.path.lstrip("/") or "*",
+                                        urllib.parse.unquote(parts.username or "") or "*",
+                                        password))
+    fd = os.open(root / PASSFILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def open_catalog(target: str, root: Path, *, create: bool = False) -> Catalog:
+    """The shared catalog at ``target``: a database URL, or a SQLite file
+    (made when ``create`` and there is none). A new catalog gets its schema
+    from the first host that opens it."""
+    if is_url(target):
+        from blockdiff.db import open_database   # psycopg is needed only here
+        passfile = root / PASSFILE
+        options = {"passfile": str(passfile)} if passfile.exists() else {}
+        return Catalog.on(open_database(target, **options), create=create)
+    path = Path(target)
+    return Catalog(str(path), create=create and not path.exists())
+
+
+def new_host_name(root: Path) -> str:
+    """What a host joining with the store directory ``root`` is called."""
+    return f"{socket.gethostname()}:{root.resolve()}"
+
+
+def open_remote(url: str):
+    """The object store at ``url`` (``s3://BUCKET/PREFIX``)."""
+    from blockdiff.store.remote import S3Remote   # boto3 is needed only here
+    return S3Remote(url)
+
+
+class Fetcher:
+    """Brings layers and maps a host lacks from the object store into its
+    ``objects/`` (see the module's docstring); safe to share between threads."""
+
+    def __init__(self, catalog: Catalog, files: ObjectFiles, lock: StoreLock, remote,
+                 host: str):
+        self.catalog = catalog
+        self.files = files
+        self.lock = lock
+        self._remote = remote     # made when first needed
+        self.host = host
+
+    @property
+    def remote(self):
+        """The object store."""
+        return self._remote()
+
+    def holders(self, layer: int) -> str:
+        """The hosts that hold a layer, as a phrase for messages."""
+        names = [name for (name,) in self.catalog.db.execute(
+            "SELECT h.name FROM layer_copies c JOIN hosts h ON h.id = c.host "
+            "WHERE c.layer = ? ORDER BY c.placed", (int(layer),))]
+        return ", ".join(names) if names else "no host"
+
+    def layer(self, layer: int, pos, length, chunk: int, crcs) -> int:
+        """Fetch a layer this host lacks, checked against its chunks' CRC32C
+        (the runs ``pos``/``length`` cut into ``chunk``-byte chunks, ``crcs``);
+        the bytes downloaded (0 if another process of this host got it first)."""
+        from blockdiff.store.remote import ChunkChecksums, layer_key
+        final = self.files.layer_path(layer)
+        if final.exists():
+            return 0
+        size, uploaded = self.catalog.uploads([layer]).get(int(layer), (None, None))
+        if uploaded is None:
+            raise StoreError(f"layer {final.name} is not in the object store yet: it is "
+                             f"only on {self.holders(layer)}; run blockdiff push there")
+        checksums = ChunkChecksums(pos, length, chunk, crcs)
+        with self.lock.shared():
+            self._land(final, lambda staged: self.remote.get_file(
+                layer_key(final.name), staged, size, checksums, mode=self.files.mode))
+            try:
+                with self.catalog.transaction() as db:
+                    self.catalog.add_copy(db, layer, time.time(), file_identity(final))
+            except ConstraintFailed:
+                # The layer was removed meanwhile: its file goes too.
+                with contextlib.suppress(FileNotFoundError):
+                    final.unlink()
+                raise StoreError(f"layer {final.name} was removed from the store while it "
+                                 f"was being fetched") from None
+        return size
+
+    def map(self, snap: Snapshot) -> None:
+        """Fetch the map a snapshot names (checked by its digest when read)."""
+        from blockdiff.store.remote import map_key
+        final = self.files.map_path(snap.id, snap.map_sha256)
+        if final.exists():
+            return
+        size, uploaded = self.catalog.map_upload(snap)
+        if uploaded is None:
+            names = self.catalog.host_names()
+            where = names.get(snap.host, "the host that committed it") if snap.host else \
+                "the host that wrote it"
+            raise StoreError(f"snapshot {snap.id} is not in the object store yet: its map is "
+                             f"only on {where}; run blockdiff push there")
+        with self.lock.shared():
+            self._land(final, lambda staged: self.remote.get_file(
+                map_key(final.name), staged, size, mode=self.files.mode))
+
+    def _land(self, final: Path, download) -> None:
+        """Download into a staging file, then link it into ``objects/``."""
+        staged = self.files.staged(final.name, "fetch")
+        try:
+            download(staged)
+            with contextlib.suppress(FileExistsError):   # another process was first
+                os.link(staged, final)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                staged.unlink()
+        fsync_dir(self.files.objects)
+
+
+def refuse_options(**given) -> None:
+    """Options a shared store does not take (yet), refused by name."""
+    for name, value in given.items():
+        if value:
+            raise UsageError(f"--{name.replace('_', '-')} is for stores of one host; a "
+                             f"shared store (--catalog) does not take it")
+
