@@ -66,6 +66,26 @@ def parse_duration(ctx, param, value: str | None) -> float | None:
     return seconds
 
 
+_SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MIB": 1 << 20,
+               "G": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TIB": 1 << 40}
+
+
+def parse_size(ctx, param, value: str | None) -> int | None:
+    """A size such as 512M, 20G or 1.5TiB (powers of 1024), in bytes."""
+    if value is None:
+        return None
+    text = value.strip().upper()
+    number = text.rstrip("BKMGTI")
+    unit = text[len(number):]
+    try:
+        amount = float(number)
+    except ValueError:
+        amount = math.nan
+    if unit not in _SIZE_UNITS or not math.isfinite(amount) or amount < 0:
+        raise click.BadParameter(f"{value!r} is not a size (like 512M, 20G or 1.5TiB)")
+    return int(amount * _SIZE_UNITS[unit])
+
+
 def ttl_option(command):
     """--ttl: when a snapshot expires, as a duration (the command gets seconds)."""
     return click.option("--ttl", callback=parse_duration,

@@ -1,5 +1,6 @@
 """The store commands: init, commit, restore, log, tree, diff, rm, gc, verify,
-export, import and compact.
+export, import, compact, and for a store shared by several hosts push and
+pull.
 
 Snapshot ids may be given by a unique prefix (4 hex digits or more); output
 always shows full ids. The ``--json`` documents are described in docs/cli.md.
@@ -18,6 +19,7 @@ from blockdiff.cli.options import (
     meta_option,
     open_store,
     parse_duration,
+    parse_size,
     store_option,
     ttl_option,
     written_option,
@@ -47,19 +49,34 @@ def _removal_dict(result, *, dry_run: bool) -> dict:
                    "reads the image and its parent in full).")
 @click.option("--group", metavar="GROUP",
               help="Let this group read the store too (it is private to its owner otherwise).")
-def init(directory, allow_copy, group):
+@click.option("--catalog", metavar="URL",
+              help="Join a store shared by several hosts: its catalog (postgresql://...; or a "
+                   "SQLite file, for stores on one machine). The first host makes it.")
+@click.option("--remote", metavar="s3://BUCKET/PREFIX",
+              help="The shared store's object store (the first host names it; the endpoint "
+                   "and credentials come from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...).")
+def init(directory, allow_copy, group, catalog, remote):
     """Make a snapshot store in DIRECTORY (on XFS with reflink, or btrfs).
 
-    The store is readable by its owner only, unless --group is given.
+    The store is readable by its owner only, unless --group is given. With
+    --catalog it is this host's part of a store shared by several hosts.
 
     \b
     Example:
       blockdiff init /var/lib/sandboxes/store
+      blockdiff init /srv/store --catalog postgresql://blockdiff@db/blockdiff \\
+          --remote s3://sandboxes/store
     """
     from blockdiff.store.store import Store
 
-    Store.init(directory, allow_copy=allow_copy, group=group).close()
-    click.echo(f"initialised store {directory}")
+    with Store.init(directory, allow_copy=allow_copy, group=group, catalog=catalog,
+                    remote=remote) as store:
+        if store.shared is None:
+            click.echo(f"initialised store {directory}")
+        else:
+            click.echo(f"initialised store {directory}: host {printable(store.shared.name)} "
+                       f"of the shared store at {printable(store.shared.catalog)}, objects in "
+                       f"{printable(store.catalog.setting('remote'))}")
 
 
 @click.command()
@@ -73,8 +90,12 @@ def init(directory, allow_copy, group):
 @click.option("--skip-unchanged", is_flag=True,
               help="If nothing changed since the parent, print the parent's id instead.")
 @written_option
+@click.option("--no-push", is_flag=True,
+              help="In a shared store: leave the snapshot on this host (blockdiff push uploads "
+                   "it later).")
 @json_option
-def commit(store_path, image, parent, message, meta, ttl, skip_unchanged, written, as_json):
+def commit(store_path, image, parent, message, meta, ttl, skip_unchanged, written, no_push,
+           as_json):
     """Snapshot IMAGE; print the new snapshot's id as the last line.
 
     PARENT may be given by a unique prefix of its id (at least 4 hex digits).
@@ -88,7 +109,8 @@ def commit(store_path, image, parent, message, meta, ttl, skip_unchanged, writte
         if skip_unchanged:   # what the commit compares with: its id back means unchanged
             before = store.resolve(parent) if parent is not None else store.lineage(image)[0]
         snap = store.commit(image, parent=parent, message=message, meta=meta, ttl=ttl,
-                            skip_unchanged=skip_unchanged, written=written, progress=progress)
+                            skip_unchanged=skip_unchanged, written=written, push=not no_push,
+                            progress=progress)
     if as_json:
         return emit_json(_snapshot_dict(snap) | {"unchanged": snap.id == before})
     click.echo(snap.id)
@@ -136,14 +158,23 @@ def log(store_path, snapshot_id, as_json):
     """
     with open_store(store_path) as store:
         snaps = store.log(snapshot_id)
+        where = {p.snapshot: p for p in store.placement()} if store.shared else None
     if as_json:
-        return emit_json([_snapshot_dict(s) for s in snaps])
+        return emit_json([_snapshot_dict(s) | ({} if where is None else _placement_dict(
+            where[s.id])) for s in snaps])
     for s in snaps:
         extra = "".join(f" {printable(k)}={printable(v)}" for k, v in sorted(s.meta.items()))
         expiry = f" expires {when(s.expires, seconds=False)}" if s.expires else ""
+        place = "" if where is None else f"{where[s.id].state:9}  "
         click.echo(f"{printable(s.id)}  parent {printable(s.parent):16}  {when(s.created)}  "
-                   f"{human_size(s.changed_bytes):>10} changed{expiry}  "
+                   f"{place}{human_size(s.changed_bytes):>10} changed{expiry}  "
                    f"{printable(s.message)}{extra}")
+
+
+def _placement_dict(place) -> dict:
+    """Where a snapshot of a shared store is, as log --json prints it."""
+    return {"where": place.state, "here": place.here, "host": place.host}
+
 
 
 @click.command()
@@ -218,9 +249,12 @@ def rm(store_path, snapshot_id, as_json):
 @click.option("--keep-last", type=click.IntRange(min=0), help="Keep the N newest snapshots.")
 @click.option("--keep-within", callback=parse_duration,
               help="Keep snapshots younger than this (e.g. 2h, 7d).")
+@click.option("--cache-size", callback=parse_size, metavar="SIZE",
+              help="In a shared store: evict this host's least recently used layers that are "
+                   "uploaded until its layers take at most SIZE (e.g. 50G).")
 @dry_run_option
 @json_option
-def gc(store_path, keep_last, keep_within, dry_run, as_json):
+def gc(store_path, keep_last, keep_within, cache_size, dry_run, as_json):
     """Remove expired snapshots and those the policy does not keep.
 
     Without --keep-last or --keep-within only expired snapshots (TTL) go.
@@ -235,8 +269,17 @@ def gc(store_path, keep_last, keep_within, dry_run, as_json):
     policy = Policy(keep_last=keep_last, keep_within=keep_within)
     with open_store(store_path, freeing=not dry_run) as store:
         result = store.gc(policy, dry_run=dry_run)
+        evicted, evicted_bytes = [], 0
+        if cache_size is not None and not dry_run:
+            evicted, evicted_bytes = store.evict(cache_size)
+        if store.shared is not None and not dry_run:
+            store.sweep_remote()
+    result.bytes_freed += evicted_bytes
     if as_json:
-        return emit_json(_removal_dict(result, dry_run=dry_run))
+        return emit_json(_removal_dict(result, dry_run=dry_run) | {"evicted": len(evicted)})
+    if evicted:
+        click.echo(f"evicted {len(evicted)} uploaded layer(s) from this host's cache "
+                   f"({human_size(evicted_bytes)})")
     verb = "would remove" if dry_run else "removed"
     for snapshot_id in result.removed:
         click.echo(f"{verb} {snapshot_id} ({result.reasons[snapshot_id]})")
@@ -350,5 +393,48 @@ def compact(store_path, snapshot_id, as_json):
     click.echo(f"{snap.id}: {before} pieces -> {after}")
 
 
-COMMANDS = (init, commit, restore, log, tree, diff_command, rm, gc, verify, export,
+@click.command()
+@store_option
+@click.argument("snapshot_id", metavar="[ID]", required=False)
+@json_option
+def push(store_path, snapshot_id, as_json):
+    """Upload what this host of a shared store holds that the object store lacks.
+
+    Everything pending, or only what snapshot ID needs.
+
+    \b
+    Example:
+      blockdiff push --store S
+    """
+    with open_store(store_path) as store, progress_bar("push", as_json=as_json) as progress:
+        result = store.push(snapshot_id, progress=progress)
+    if as_json:
+        return emit_json({"layers": result.layers, "maps": result.maps, "bytes": result.bytes,
+                          "durable": result.snapshots})
+    click.echo(f"uploaded {result.layers} layer(s) and {result.maps} map(s), "
+               f"{human_size(result.bytes)}")
+
+
+@click.command()
+@store_option
+@click.argument("snapshot_id", metavar="ID")
+@json_option
+def pull(store_path, snapshot_id, as_json):
+    """Fetch what snapshot ID needs onto this host of a shared store, checked.
+
+    A restore fetches it anyway; pull does it ahead of time.
+
+    \b
+    Example:
+      blockdiff pull --store S 3f2a9c0d1e2b4a5c
+    """
+    with open_store(store_path) as store:
+        snapshot_id = store.resolve(snapshot_id)
+        fetched = store.pull(snapshot_id)
+    if as_json:
+        return emit_json({"id": snapshot_id, "fetched_bytes": fetched})
+    click.echo(f"{snapshot_id}: fetched {human_size(fetched)}")
+
+
+COMMANDS = (init, commit, restore, log, tree, diff_command, rm, gc, verify, export, push, pull,
             import_command, compact)

@@ -218,9 +218,14 @@ def _changes_by_contents(store: StoreState, fd: int, image: str, size: int,
     ends = np.concatenate((changes.offset, [size])).astype(np.uint64)
     keep = ends > starts
     pieces, (hole_start, hole_end) = pieces_within(parent_map.pieces, starts[keep], ends[keep])
-    store.layers.fill(fd, image, pieces)
-    native.zero_ranges(fd, hole_start, hole_end - hole_start, image)
-    native.fsync(fd, image)
+    # The commit holds the image open to read; this needs to write.
+    writable = os.open(image, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        store.layers.fill(writable, image, pieces)
+        native.zero_ranges(writable, hole_start, hole_end - hole_start, image)
+        native.fsync(writable, image)
+    finally:
+        os.close(writable)
     emap = ExtentMap.of_file(fd, image, sync=False)
     emap.check_supported(image)
     return emap, changes

@@ -46,6 +46,7 @@ from blockdiff.errors import (
     AmbiguousId,
     Damaged,
     DatabaseDamaged,
+    RemoteError,
     ImageBusy,
     StoreError,
     UnknownSnapshot,
@@ -68,6 +69,7 @@ from blockdiff.store.shared import (
     is_url,
     new_host_name,
     open_catalog,
+    open_remote,
     read_config,
     refuse_options,
     split_password,
@@ -217,7 +219,11 @@ class Store(StoreState):
         refuse_options(allow_copy=allow_copy, group=group)
         if (root / "catalog.sqlite").exists() or (root / SHARED_FILE).exists():
             raise StoreError(f"{root} is already a blockdiff store")
-        remote = None if remote is None else normal_url(remote)   # refused before anything
+        if remote is not None:
+            # Refused before anything is made: a URL that is not one, a
+            # bucket that is not there, credentials it does not take.
+            remote = normal_url(remote)
+            open_remote(remote).stat("layers/0000000000000000.layer")
         if is_url(target):
             public, password = split_password(target)
         else:
@@ -364,7 +370,12 @@ class Store(StoreState):
                              skip_unchanged=skip_unchanged, written=written,
                              imported=_imported, progress=progress)
         if self.shared is not None and push:
-            self._pushed_after(snap.id)
+            try:
+                self._pushed_after(snap.id)
+            except RemoteError as e:
+                raise RemoteError(f"snapshot {snap.id} is committed on this host but not "
+                                  f"uploaded: {e}; upload it with: blockdiff push --store "
+                                  f"{self.root}") from e
         return snap
 
     # -------------------------------------------------- a shared store

@@ -52,7 +52,10 @@ def verify(store: StoreState, snapshot_id: str | None = None,
                              f"{', '.join(layer_name(x) for x in sorted(used - refs))}")
             for layer, sel in by_layer(smap.pieces):
                 if layer not in checked:
-                    checked[layer] = _check_layer(store.layers, layer, progress)
+                    if store.shared is not None and not store.layer_path(layer).exists():
+                        checked[layer] = _check_object(store, layer), NO_CHUNKS
+                    else:
+                        checked[layer] = _check_layer(store.layers, layer, progress)
                 layer_problems, bad = checked[layer]
                 found += layer_problems
                 if len(bad[0]):
@@ -77,6 +80,23 @@ def _check_layer(layers: Layers, layer: int, progress: Progress) -> tuple[list[s
     except Damaged as e:
         return problems + [str(e).split(";")[0]], NO_CHUNKS
     return problems + ([problem] if problem else []), bad
+
+
+def _check_object(store: StoreState, layer: int) -> list[str]:
+    """In a shared store, of a layer this host does not hold: whether the
+    object store has it, of the size recorded (its bytes are checked when a
+    host fetches it). A layer not uploaded yet is another host's to check."""
+    from blockdiff.store.remote import layer_key
+    size, uploaded = store.catalog.uploads([layer]).get(layer, (None, None))
+    if uploaded is None:
+        return []
+    name = layer_name(layer)
+    info = store.remote.stat(layer_key(name))
+    if info is None:
+        return [f"layer {name} is missing from the object store"]
+    if info.size != size:
+        return [f"layer {name} is {info.size} bytes in the object store, not {size}"]
+    return []
 
 
 def _overlapping(pos, length, bad_pos, bad_length) -> int:

@@ -1,0 +1,381 @@
+"""A store shared by several hosts (blockdiff.store.shared): two "hosts" are
+two store directories on two XFS filesystems, used by separate processes,
+sharing one catalog and one bucket of a real SeaweedFS S3 server. Every
+restore is compared byte for byte."""
+
+from __future__ import annotations
+
+import contextlib
+import filecmp
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import filesystems
+import numpy as np
+import objectstore
+import pytest
+from objectstore import point_boto3_at, running_seaweedfs
+
+from blockdiff.errors import Damaged, RemoteError, StoreError, UsageError
+from blockdiff.store import Store
+from blockdiff.store.objects import layer_name
+from blockdiff.store.retention import Policy
+from blockdiff.store.remote import layer_key
+from blockdiff.store.views import view_path
+
+seaweedfs, s3_env = objectstore.seaweedfs, objectstore.s3_env
+
+MiB = 1 << 20
+IMAGE = 64 * MiB
+BLOCK = 4096
+
+
+@pytest.fixture(scope="module")
+def second_xfs():
+    """Another XFS filesystem: the second host's disk."""
+    reason = filesystems.filesystem_unavailable_reason("xfs")
+    if reason is not None:
+        pytest.skip(f"xfs unavailable: {reason}")
+    with filesystems.mounted_filesystem("xfs") as mount:
+        yield mount
+
+
+@pytest.fixture
+def host_b_dir(second_xfs, request):
+    path = second_xfs / f"b-{uuid.uuid4().hex[:8]}"
+    path.mkdir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def catalog(tmp_path):
+    """Where the hosts' shared catalog is."""
+    return str(tmp_path / "shared-catalog.sqlite")
+
+
+@pytest.fixture
+def bucket_url(s3_env):
+    return f"s3://{s3_env.bucket}/{uuid.uuid4().hex}"
+
+
+@pytest.fixture
+def hosts(xfs, host_b_dir, catalog, bucket_url):
+    """Two hosts' stores of one shared store: A made it, B joined."""
+    a = Store.init(xfs / "store", catalog=catalog, remote=bucket_url)
+    b = Store.init(host_b_dir / "store", catalog=catalog)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def cli(*args, check=True) -> subprocess.CompletedProcess:
+    """The command line in a process of its own (another host's process)."""
+    done = subprocess.run([sys.executable, "-m", "blockdiff", *map(str, args)],
+                          capture_output=True, text=True, timeout=300)
+    if check and done.returncode != 0:
+        raise AssertionError(f"blockdiff {' '.join(map(str, args))} failed "
+                             f"({done.returncode}): {done.stderr}")
+    return done
+
+
+def scribble(path: Path, rng, writes: int = 6, blocks: int = 8) -> None:
+    """Random writes of ``blocks`` blocks each at random places."""
+    with open(path, "r+b") as f:
+        for _ in range(writes):
+            f.seek(int(rng.integers(0, IMAGE // BLOCK - blocks)) * BLOCK)
+            f.write(rng.bytes(blocks * BLOCK))
+
+
+def new_image(path: Path, rng) -> None:
+    with open(path, "wb") as f:
+        f.truncate(IMAGE)
+    scribble(path, rng, writes=20, blocks=64)
+
+
+def commit_line(store: Store, image: Path, keep: Path, rng, count: int, **options):
+    """``count`` commits of ``image``, each after some writes; a copy of each
+    snapshot's bytes kept in ``keep``. Returns the ids."""
+    ids = []
+    for _ in range(count):
+        scribble(image, rng)
+        snap = store.commit(image, **options)
+        shutil.copyfile(image, keep / snap.id)
+        ids.append(snap.id)
+    return ids
+
+
+def layer_bytes(store: Store, snapshot_ids) -> int:
+    """The size of the layers the snapshots wrote themselves."""
+    return sum(os.stat(store.layer_path(int(sid, 16))).st_size for sid in snapshot_ids)
+
+
+def test_a_line_made_on_one_host_restores_on_another_fetching_only_what_it_lacks(
+        hosts, xfs, host_b_dir, tmp_path):
+    a, b = hosts
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    rng = np.random.default_rng(1)
+    image = xfs / "disk.img"
+    new_image(image, rng)
+    first = commit_line(a, image, keep, rng, 4)
+    assert all(p.state == "durable" for p in b.placement())
+
+    store_b = host_b_dir / "store"
+    # Every snapshot, forked on B by another process, byte for byte.
+    for sid in first:
+        fork = host_b_dir / f"fork-{sid}"
+        out = json.loads(cli("restore", "--store", store_b, sid, fork, "--json").stdout)
+        assert out["forked"] and filecmp.cmp(fork, keep / sid, shallow=False)
+    # The first fork fetched everything up to it; the later ones only what was new.
+    # In place, on B, to every snapshot in turn.
+    work = host_b_dir / "work.img"
+    shutil.copyfile(host_b_dir / f"fork-{first[0]}", work)
+    for sid in reversed(first):
+        cli("restore", "--store", store_b, sid, work)
+        assert filecmp.cmp(work, keep / sid, shallow=False)
+
+    # More on A: B fetches exactly the new snapshots' layers.
+    more = commit_line(a, image, keep, rng, 3)
+    restored = b.restore(more[-1], host_b_dir / "newest.img")
+    assert restored.fetched_bytes == layer_bytes(a, more)
+    assert filecmp.cmp(host_b_dir / "newest.img", keep / more[-1], shallow=False)
+    # Nothing fetched twice.
+    assert b.restore(more[0], host_b_dir / "again.img").fetched_bytes == 0
+    log = json.loads(cli("log", "--store", store_b, "--json").stdout)
+    assert {entry["where"] for entry in log} == {"durable"}
+    assert cli("verify", "--store", store_b).returncode == 0
+
+
+def test_commits_on_the_second_host_restore_on_the_first(hosts, xfs, host_b_dir, tmp_path):
+    a, b = hosts
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    rng = np.random.default_rng(2)
+    image = xfs / "disk.img"
+    new_image(image, rng)
+    base = commit_line(a, image, keep, rng, 2)[-1]
+
+    # B continues from A's snapshot: its first commit compares with the
+    # view its restore recorded, so it stores only what the step wrote.
+    work = host_b_dir / "work.img"
+    b.restore(base, work)
+    assert view_path(b, b.get(base)).exists()
+    on_b = commit_line(b, work, keep, rng, 3)
+    for sid in on_b:
+        assert b.get(sid).changed_bytes <= 6 * 8 * BLOCK
+    # A restores B's work, forked and in place.
+    for sid in on_b:
+        fork = xfs / f"from-b-{sid}"
+        a.restore(sid, fork)
+        assert filecmp.cmp(fork, keep / sid, shallow=False)
+    a.restore(on_b[-1], image)
+    assert filecmp.cmp(image, keep / on_b[-1], shallow=False)
+    # And A goes on from there.
+    after = commit_line(a, image, keep, rng, 2)
+    b.restore(after[-1], work)
+    assert filecmp.cmp(work, keep / after[-1], shallow=False)
+
+
+def test_without_a_view_a_commit_compares_contents_and_later_ones_stay_right(
+        hosts, xfs, host_b_dir, tmp_path):
+    """The danger a view guards against: an image block written in place
+    keeps its address. Without a view, the commit must not trust another
+    host's addresses; after it, writes in place must still be seen."""
+    a, b = hosts
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    rng = np.random.default_rng(3)
+    image = xfs / "disk.img"
+    new_image(image, rng)
+    base = commit_line(a, image, keep, rng, 1)[-1]
+    work = host_b_dir / "work.img"
+    b.restore(base, work)
+    view_path(b, b.get(base)).unlink()
+    first = commit_line(b, work, keep, rng, 1)[-1]
+    # The same ranges written again, in place: every commit must see them.
+    for round_ in range(3):
+        with open(work, "r+b") as f:
+            f.seek(0)
+            f.write(bytes([round_ + 1]) * (4 * BLOCK))
+        snap = b.commit(work)
+        assert snap.changed_bytes >= 4 * BLOCK
+        shutil.copyfile(work, keep / snap.id)
+    for sid in [first, snap.id]:
+        a.restore(sid, xfs / f"check-{sid}")
+        assert filecmp.cmp(xfs / f"check-{sid}", keep / sid, shallow=False)
+
+
+def test_a_snapshot_not_pushed_is_pending_and_named_by_the_host_that_has_it(
+        hosts, xfs, host_b_dir, tmp_path):
+    a, b = hosts
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    rng = np.random.default_rng(4)
+    image = xfs / "disk.img"
+    new_image(image, rng)
+    sid = commit_line(a, image, keep, rng, 1, push=False)[-1]
+    assert {p.snapshot: p.state for p in a.placement()}[sid] == "local"
+    assert {p.snapshot: p.state for p in b.placement()}[sid] == "pending"
+    done = cli("restore", "--store", host_b_dir / "store", sid, host_b_dir / "x.img",
+               check=False)
+    assert done.returncode == 6 and "Traceback" not in done.stderr
+    assert "not in the object store yet" in done.stderr and "blockdiff push" in done.stderr
+    assert a.shared.name in done.stderr
+    assert not (host_b_dir / "x.img").exists()
+    pushed = json.loads(cli("push", "--store", xfs / "store", "--json").stdout)
+    assert pushed["layers"] == 1 and pushed["maps"] == 1 and pushed["durable"] == [sid]
+    b.restore(sid, host_b_dir / "x.img")
+    assert filecmp.cmp(host_b_dir / "x.img", keep / sid, shallow=False)
+    assert cli("push", "--store", xfs / "store", "--json").stdout.count('"layers": 0') == 1
+
+
+def test_a_damaged_or_missing_object_is_never_restored(hosts, xfs, host_b_dir, tmp_path,
+                                                      s3_env, bucket_url):
+    a, b = hosts
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    rng = np.random.default_rng(5)
+    image = xfs / "disk.img"
+    new_image(image, rng)
+    sid = commit_line(a, image, keep, rng, 1)[-1]
+    name = layer_name(int(sid, 16))
+    key = f"{bucket_url.split('/', 3)[3]}/{layer_key(name)}"
+    client = s3_env.client()
+    good = client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read()
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0xFF
+    # Behind the store's back, with no metadata: only the catalog's checksums can tell.
+    client.put_object(Bucket=s3_env.bucket, Key=key, Body=bytes(bad))
+    with pytest.raises(Damaged, match="fail their CRC32C"):
+        b.restore(sid, host_b_dir / "x.img")
+    assert not (host_b_dir / "x.img").exists()
+    assert not b.layer_path(int(sid, 16)).exists()
+    assert os.listdir(b.staging) == []
+    client.delete_object(Bucket=s3_env.bucket, Key=key)
+    done = cli("restore", "--store", host_b_dir / "store", sid, host_b_dir / "x.img",
+               check=False)
+    assert done.returncode == 14 and "no such object" in done.stderr
+    assert "Traceback" not in done.stderr
+    problems = json.loads(cli("verify", "--store", host_b_dir / "store", "--json",
+                              check=False).stdout)["problems"]
+    assert any("missing from the object store" in p for p in problems[sid])
+
+
+def test_removing_a_snapshot_deletes_its_objects_for_every_host(
+        hosts, xfs, host_b_dir, tmp_path, s3_env, bucket_url):
+    a, b = hosts
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    rng = np.random.default_rng(6)
+    image = xfs / "disk.img"
+    new_image(image, rng)
+    first, second, third = commit_line(a, image, keep, rng, 3)
+    b.restore(third, host_b_dir / "x.img")       # B holds every layer now
+    prefix = bucket_url.split("/", 3)[3]
+
+    def keys():
+        listed = s3_env.client().list_objects_v2(Bucket=s3_env.bucket, Prefix=prefix)
+        return {o["Key"][len(prefix) + 1:] for o in listed.get("Contents", ())}
+
+    assert layer_key(layer_name(int(second, 16))) in keys()
+    b.rm(second)          # its layer stays: the third snapshot uses its blocks
+    assert not any(k.startswith("maps/" + second) for k in keys())
+    b.rm(third)
+    b.rm(first)
+    assert not any(k.startswith("maps/") for k in keys())
+    # The layers no snapshot uses are gone from the bucket; A's copies go
+    # with its next gc.
+    assert not any(k.startswith("layers/") for k in keys())
+    a.gc(Policy())
+    assert list(a.objects.iterdir()) == []
+    # The image's bytes on B are its own.
+    assert filecmp.cmp(host_b_dir / "x.img", keep / third, shallow=False)
+
+
+def test_eviction_drops_only_uploaded_copies_and_they_come_back(
+        hosts, xfs, host_b_dir, tmp_path):
+    a, b = hosts
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    rng = np.random.default_rng(7)
+    image = xfs / "disk.img"
+    new_image(image, rng)
+    ids = commit_line(a, image, keep, rng, 3)
+    pending = commit_line(a, image, keep, rng, 1, push=False)
+    evicted, freed = a.evict(0)
+    assert sorted(evicted) == sorted(int(s, 16) for s in ids)
+    assert freed > 0
+    assert a.layer_path(int(pending[0], 16)).exists()       # not uploaded: kept
+    # The image's next commit cannot trust the addresses of evicted copies:
+    # it compares contents, and gets the change right.
+    scribble(image, rng)
+    snap = a.commit(image)
+    shutil.copyfile(image, keep / snap.id)
+    for sid in ids + pending + [snap.id]:
+        a.restore(sid, xfs / f"back-{sid}")
+        assert filecmp.cmp(xfs / f"back-{sid}", keep / sid, shallow=False)
+    done = cli("gc", "--store", xfs / "store", "--cache-size", "0", "--json")
+    assert json.loads(done.stdout)["evicted"] > 0
+
+
+def test_commit_survives_the_object_store_going_away_and_pushes_later(
+        xfs, host_b_dir, catalog, tmp_path, monkeypatch):
+    objectstore._require_seaweedfs()
+    with running_seaweedfs(tmp_path / "weed") as server:
+        point_boto3_at(server, monkeypatch, tmp_path)
+        monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+        url = f"s3://{server.bucket}/x"
+        a = Store.init(xfs / "store", catalog=catalog, remote=url)
+        b = Store.init(host_b_dir / "store", catalog=catalog)
+        rng = np.random.default_rng(8)
+        image = xfs / "disk.img"
+        new_image(image, rng)
+        server.stop()
+        with pytest.raises(RemoteError, match="committed on this host but not uploaded"):
+            a.commit(image)
+        (sid,) = [p.snapshot for p in a.placement()]
+        assert {p.snapshot: p.state for p in a.placement()}[sid] == "local"
+        copy = tmp_path / "copy"
+        shutil.copyfile(image, copy)
+        server.start()
+        a.push()
+        b.restore(sid, host_b_dir / "x.img")
+        assert filecmp.cmp(host_b_dir / "x.img", copy, shallow=False)
+        a.close()
+        b.close()
+
+
+def test_joining_checks_the_object_store_and_refuses_mismatches(
+        xfs, host_b_dir, catalog, bucket_url, s3_env, monkeypatch):
+    made = xfs / "nope"
+    for args, status, text in [
+            (["--remote", f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/p"], 14, "no bucket"),
+            (["--remote", "http://example.com/x"], 14, "not an object store URL"),
+            ([], 2, "first host of a shared store names its object store")]:
+        done = cli("init", made, "--catalog", catalog, *args, check=False)
+        assert done.returncode == status, done.stderr
+        assert text in done.stderr and "Traceback" not in done.stderr
+        assert not made.exists()
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret-at-all")
+    done = cli("init", made, "--catalog", catalog, "--remote", bucket_url, check=False)
+    assert done.returncode == 14 and "refused the credentials" in done.stderr
+    assert "not-the-secret-at-all" not in done.stderr + done.stdout
+    assert not made.exists()
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_env.secret_key)
+    Store.init(xfs / "a", catalog=catalog, remote=bucket_url).close()
+    with pytest.raises(UsageError, match="leave --remote out"):
+        Store.init(host_b_dir / "b", catalog=catalog, remote=bucket_url + "-other")
+    assert not (host_b_dir / "b").exists()
+    with pytest.raises(StoreError, match="already a blockdiff store"):
+        Store.init(xfs / "a", catalog=catalog)
+    # A host's configuration never holds a secret, and is private.
+    with Store.init(host_b_dir / "b", catalog=catalog) as b:
+        config = (b.root / "shared.json").read_text()
+        assert s3_env.secret_key not in config
+        assert os.stat(b.root / "shared.json").st_mode & 0o077 == 0
