@@ -196,13 +196,15 @@ class Agent:
         self.environment_changes: list[Change] = []
         self.ttl = ttl
         self.lease = lease
-        self.owner = process_owner()
+        self.owner = process_owner(self.db.here)
         self.trace = trace or (lambda point: None)
         self._step: Step | None = None
         self._approvals_asked: tuple[str | None, int] = (None, -1)
         try:
-            status_at_open = self.db.acquire(thread_id, self.owner, lease,
-                                             binding=disk_binding(disk), create=create)
+            # From here on the owner value carries the lease's fencing token.
+            status_at_open, self.owner = self.db.acquire(thread_id, self.owner, lease,
+                                                         binding=disk_binding(disk),
+                                                         create=create)
         except BaseException:
             self.db.close()
             raise
@@ -620,9 +622,9 @@ def fork_thread(store: Store, thread_id: str, checkpoint_id: str, new_thread: st
         db.require_new_thread(new_thread)
         state, messages = db.load(target.id)
         disk = fork_disk(store, source.disk, target.disk_snapshot, new_thread)
-        owner = process_owner()
-        db.create_thread(new_thread, owner, DEFAULT_LEASE, binding=disk_binding(disk),
-                         forked_from=target.id)
+        owner = db.create_thread(new_thread, process_owner(db.here), DEFAULT_LEASE,
+                                 binding=disk_binding(disk),
+                                 forked_from=target.id)
         try:
             reason = f"fork of {thread_id} at {target.id}"
             written = codec.serialise(state), codec.serialise(messages)

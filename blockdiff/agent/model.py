@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from blockdiff.agent.sealing import PLAIN, Codec, SealingError, content_hash
 from blockdiff.db import Migrations, connect, migrate
+from blockdiff.store.shared import open_shared_database
 from blockdiff.errors import (
     AgentError,
     AmbiguousCheckpoint,
@@ -119,10 +120,19 @@ MIGRATIONS = [
     ALTER TABLE checkpoints ADD COLUMN environment TEXT;
     CREATE INDEX checkpoints_environment ON checkpoints(environment);
     """,
+    # The fencing token of a thread's lease: it grows on every acquisition,
+    # and the holder's owner value carries it, so a process whose lease was
+    # taken over (paused, cut off, presumed dead) has its next write refused.
+    """
+    ALTER TABLE threads ADD COLUMN lease_token INTEGER NOT NULL DEFAULT 0;
+    """,
 ]
 # Agent databases made before the db layer count their migrations in
 # PRAGMA user_version: adopted at that version.
 SCHEMA = Migrations("agent", MIGRATIONS, legacy="user_version")
+# In a shared store's database, beside the catalog and the LangGraph
+# checkpoints: never a database of old, so no legacy marker to share.
+SHARED_SCHEMA = dataclasses.replace(SCHEMA, legacy=None)
 
 
 def _unknown_thread(thread_id: str, root) -> UnknownThread:
@@ -305,19 +315,25 @@ def _start_time(pid: int | str) -> str:
         return f.read().rsplit(")", 1)[1].split()[19]
 
 
-def process_owner() -> str:
-    """Who this process is, as a thread's owner: host, pid and the pid's
-    start time (a pid reused by another process is not the owner)."""
+def process_owner(host: str | None = None) -> str:
+    """Who this process is, as a thread's owner: host (by default this
+    machine's name; in a shared store, the host's id in it), pid and the
+    pid's start time (a pid reused by another process is not the owner)."""
     try:
         start = _start_time(os.getpid())
     except OSError:
         start = "0"
-    return f"{socket.gethostname()}:{os.getpid()}:{start}"
+    return f"{host or socket.gethostname()}:{os.getpid()}:{start}"
 
 
-def _owner_alive(owner: str) -> bool:
-    host, pid, start = owner.rsplit(":", 2)
-    if host != socket.gethostname():
+def _process_of(holder: str) -> str:
+    """The process part of an owner value, without its lease's token."""
+    return holder.split("/", 1)[0]
+
+
+def _owner_alive(owner: str, here: str) -> bool:
+    host, pid, start = _process_of(owner).rsplit(":", 2)
+    if host != here:
         return True  # another host: only its lease can tell
     try:
         return _start_time(pid) == start
@@ -337,10 +353,17 @@ class AgentDB:
         # secure_delete: what a rewrite or a delete leaves behind is zeroed,
         # not left in free space. The layer's synchronous=FULL is what makes
         # a journal intent be on disk before the tool runs.
-        self.db = connect(store.root / DB_NAME, mode=getattr(store, "file_mode", 0o600),
-                          secure_delete=True)
+        shared = getattr(store, "shared", None)
+        # Where the owners of this store's threads say they run: this
+        # machine, or this host of a shared store.
+        self.here = socket.gethostname() if shared is None else shared.host
+        if shared is None:
+            self.db = connect(store.root / DB_NAME, mode=getattr(store, "file_mode", 0o600),
+                              secure_delete=True)
+        else:
+            self.db = open_shared_database(shared, store.root, secure_delete=True)
         try:
-            migrate(self.db, SCHEMA)
+            migrate(self.db, SCHEMA if shared is None else SHARED_SCHEMA)
             self._rehash_legacy()
         except BaseException:
             self.db.close()
@@ -406,39 +429,46 @@ class AgentDB:
             f"SELECT {self._THREAD_COLUMNS} FROM threads ORDER BY created")]
 
     def acquire(self, thread_id: str, owner: str, lease: float, *, binding: str | None,
-                create: bool) -> str:
-        """Hold ``thread_id`` for ``owner`` for ``lease`` seconds, making it
-        (with the disk ``binding``) when there is none and ``create`` says so,
-        else ``UnknownThread``. Returns the status it had ("new" when made).
-        ``ThreadBusy`` if another process runs it: a live owner on this host
-        keeps it however long its step takes; one on another host cannot be
-        seen, so its lease decides. A ``binding`` replaces the one recorded."""
+                create: bool) -> tuple[str, str]:
+        """Hold ``thread_id`` for the process ``owner`` (:func:`process_owner`)
+        for ``lease`` seconds, making it (with the disk ``binding``) when there
+        is none and ``create`` says so, else ``UnknownThread``. Returns the
+        status it had ("new" when made) and the lease's owner value: ``owner``
+        with the lease's fencing token, which every write for the thread
+        passes back. ``ThreadBusy`` if another process runs it: a live owner
+        on this host keeps it however long its step takes; one on another
+        host cannot be seen, so its lease decides. A ``binding`` replaces the
+        one recorded."""
         now = time.time()
         with self.transaction() as db:
-            row = db.execute("SELECT owner, lease_until, status FROM threads WHERE id = ?",
-                             (thread_id,)).fetchone()
+            row = db.execute("SELECT owner, lease_until, status, lease_token FROM threads "
+                             "WHERE id = ?", (thread_id,)).fetchone()
             if row is None:
                 if not create:
                     raise _unknown_thread(thread_id, self.store.root)
-                self._insert_thread(db, thread_id, owner, now + lease, binding)
-                return "new"
-            holder, until, status = row
-            local = holder is not None and holder.rsplit(":", 2)[0] == socket.gethostname()
-            if holder and holder != owner and _owner_alive(holder) and (
-                    local or (until or 0) > now):
-                raise ThreadBusy(f"thread {thread_id} is being run by {holder}; refusing to "
-                                 f"run it twice (wait for it, or for its lease to end)")
+                return "new", self._insert_thread(db, thread_id, owner, now + lease, binding)
+            holder, until, status, token = row
+            local = holder is not None and \
+                _process_of(holder).rsplit(":", 2)[0] == self.here
+            if holder and _process_of(holder) != owner and _owner_alive(holder, self.here) \
+                    and (local or (until or 0) > now):
+                raise ThreadBusy(f"thread {thread_id} is being run by {_process_of(holder)}; "
+                                 f"refusing to run it twice (wait for it, or for its lease "
+                                 f"to end)")
+            held = f"{owner}/{token + 1}"
             db.execute("UPDATE threads SET owner = ?, lease_until = ?, status = 'running', "
-                       "disk = COALESCE(?, disk) WHERE id = ?",
-                       (owner, now + lease, binding, thread_id))
-            return status
+                       "lease_token = ?, disk = COALESCE(?, disk) WHERE id = ?",
+                       (held, now + lease, token + 1, binding, thread_id))
+            return status, held
 
     def create_thread(self, thread_id: str, owner: str, lease: float, *, binding: str | None,
-                      forked_from: str | None = None) -> None:
-        """Make ``thread_id``, held by ``owner``; ``AgentError`` if it exists."""
+                      forked_from: str | None = None) -> str:
+        """Make ``thread_id``, held by ``owner``; ``AgentError`` if it exists.
+        Returns the lease's owner value (see :meth:`acquire`)."""
         with self.transaction() as db:
             self.require_new_thread(thread_id)
-            self._insert_thread(db, thread_id, owner, time.time() + lease, binding, forked_from)
+            return self._insert_thread(db, thread_id, owner, time.time() + lease, binding,
+                                       forked_from)
 
     def require_new_thread(self, thread_id: str) -> None:
         """``AgentError`` if there is a thread ``thread_id``."""
@@ -447,10 +477,12 @@ class AgentDB:
 
     @staticmethod
     def _insert_thread(db, thread_id: str, owner: str, lease_until: float,
-                       binding: str | None, forked_from: str | None = None) -> None:
+                       binding: str | None, forked_from: str | None = None) -> str:
+        held = f"{owner}/1"
         db.execute("INSERT INTO threads (id, created, status, owner, lease_until, disk, "
-                   "forked_from) VALUES (?, ?, 'running', ?, ?, ?, ?)",
-                   (thread_id, time.time(), owner, lease_until, binding, forked_from))
+                   "forked_from, lease_token) VALUES (?, ?, 'running', ?, ?, ?, ?, 1)",
+                   (thread_id, time.time(), held, lease_until, binding, forked_from))
+        return held
 
     def release(self, thread_id: str, owner: str, status: str | None = None) -> None:
         """Let go of a thread ``owner`` holds, leaving it ``status`` (default:
@@ -475,8 +507,10 @@ class AgentDB:
         holder = db.execute("SELECT owner FROM threads WHERE id = ?",
                             (thread_id,)).fetchone()[0]
         if holder != owner:
-            raise ThreadBusy(f"thread {thread_id} was taken over by {holder} (this process's "
-                             f"lease ended); stopping rather than running it twice")
+            raise ThreadBusy(f"thread {thread_id} was taken over by "
+                             f"{_process_of(holder) if holder else 'nobody'} (this process's "
+                             f"lease ended, and its fencing token {owner.partition('/')[2]} is "
+                             f"no longer the thread's); stopping rather than running it twice")
 
     def mark_failing(self, thread_id: str, request_ids: Iterable[str]) -> None:
         """Mark a failed run's calls to undo and the thread 'failing', in one

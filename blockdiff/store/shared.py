@@ -140,6 +140,19 @@ def open_catalog(target: str, root: Path, *, create: bool = False) -> Catalog:
     return Catalog(str(path), create=create and not path.exists())
 
 
+def open_shared_database(config: SharedConfig, root: Path, **options):
+    """Another connection to the database of a shared store's catalog, for
+    the records kept beside it (the agent's, the LangGraph checkpoints);
+    ``options`` are SQLite's (``connect``) and apply to a file only."""
+    if is_url(config.catalog):
+        from blockdiff.db import open_database
+        passfile = root / PASSFILE
+        return open_database(config.catalog,
+                             **({"passfile": str(passfile)} if passfile.exists() else {}))
+    from blockdiff.db import connect
+    return connect(config.catalog, create="never", **options)
+
+
 def new_host_name(root: Path) -> str:
     """What a host joining with the store directory ``root`` is called."""
     return f"{socket.gethostname()}:{root.resolve()}"
