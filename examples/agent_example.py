@@ -344,6 +344,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--approval-ttl", type=float, default=3600.0,
                    help="seconds an approval may wait before it expires (default 3600)")
     p.add_argument("--timeout", type=float, default=10.0, help="HTTP timeout (seconds)")
+    p.add_argument("--lease", type=float, default=300.0,
+                   help="seconds the thread stays held after the last write (another host "
+                        "takes it over once it lapses)")
     p.add_argument("--crash-at", type=_point, metavar="POINT:N",
                    help="SIGKILL this process the N-th time it passes POINT")
     p.add_argument("--pause-at", type=_point, metavar="POINT:N",
@@ -379,7 +382,8 @@ def run(args, say) -> int:
             f.truncate(args.disk_size)
     try:
         agent = Agent(store, args.thread, disk=ImageDisk(store, args.disk),
-                      tools=[charge_tool(args.service, args.timeout)], trace=tracer)
+                      tools=[charge_tool(args.service, args.timeout)], trace=tracer,
+                      lease=args.lease)
     except ThreadFailed:
         # A run that died while failing: opening it finished the refunds.
         if args.fail:

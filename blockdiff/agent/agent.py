@@ -22,6 +22,7 @@ the thread is rewound past them or its run fails.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -48,6 +49,8 @@ from blockdiff.errors import (
     AmbiguousCheckpoint,
     EnvironmentChanged,
     InDoubt,
+    RemoteError,
+    StoreError,
     ThreadBusy,
     ThreadFailed,
     ToolFailed,
@@ -68,6 +71,10 @@ __all__ = [
 ]
 
 DEFAULT_LEASE = 300.0
+# How long an external call waits for its checkpoint to reach the object store,
+# and closing an agent for what it checkpointed.
+DURABLE_WAIT = 120.0
+CLOSE_PUSH_WAIT = 30.0
 # The points of the step protocol an Agent's ``trace`` is told about, in order.
 TRACE_POINTS = (
     "call.intent",          # the journal holds the call's intent; the tool has not run
@@ -209,13 +216,16 @@ class Agent:
             self.db.close()
             raise
         try:
+            self._disk_stores = self._shared_disk_stores()
+            for disk_store in self._disk_stores:
+                disk_store.push_in_background()
             info = self.db.thread(thread_id)
             self.head: str | None = info.head
             self.state: dict = {}
             self.messages: list = []
             self.resumed = info.head is not None
             if info.head is not None:
-                head = self.db.checkpoint(info.head)
+                head = self._restorable_head(self.db.checkpoint(info.head))
                 self._check_environment(head, allow_environment_change)
                 self._load(info.head)
                 if self.disk is not None and head.disk_snapshot:
@@ -233,6 +243,96 @@ class Agent:
         except BaseException:
             self.close()
             raise
+
+    def _shared_disk_stores(self) -> list:
+        """The shared stores the disk's snapshots go to (none for a store of one host)."""
+        disk_store = getattr(self.disk, "store", None)
+        return [disk_store] if getattr(disk_store, "shared", None) is not None else []
+
+    def _restorable_head(self, head: Checkpoint) -> Checkpoint:
+        """The checkpoint to resume from: the head, or in a shared store, if
+        its disk snapshot never reached the object store from the host that
+        took it (which died, say) and is not here, the newest ancestor whose
+        disk snapshot did. No external call was made from a checkpoint
+        after that one (see :meth:`_make_durable`), so resuming from it
+        repeats none; the head moves back to it."""
+        if not self._disk_stores:
+            return head
+        disk_store = self._disk_stores[0]
+        for checkpoint in self.db.ancestry(head.id):
+            snapshot = checkpoint.disk_snapshot
+            if snapshot is None:
+                continue
+            place = disk_store.placement_of(snapshot)
+            if place.here or place.durable:
+                if checkpoint.id != head.id:
+                    self.db.move_head(self.thread_id, self.owner, checkpoint.id, self.lease)
+                    self.trace("resume.durable")
+                return checkpoint
+        return head
+
+    def _make_durable(self, base: str) -> None:
+        """Before an external call from checkpoint ``base``: its disk
+        snapshot must be in the object store, so that any host resuming the
+        thread resumes from ``base`` or later and finds the call in the
+        journal instead of making it again."""
+        if not self._disk_stores:
+            return
+        snapshot = self.db.checkpoint(base).disk_snapshot
+        if snapshot is None:
+            return
+        disk_store = self._disk_stores[0]
+        deadline = time.monotonic() + DURABLE_WAIT
+        failure = None
+        while not disk_store.durable(snapshot):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                why = failure or "still uploading"
+                raise AgentError(f"checkpoint {base} of thread {self.thread_id} is not in the "
+                                 f"object store after {DURABLE_WAIT:g} s ({why}), so no "
+                                 f"external call is made from it; check the object store, "
+                                 f"then resume")
+            try:
+                disk_store.wait_pushed(min(left, 1.0))
+            except RemoteError as e:       # the pusher retries; so does this wait
+                failure = e
+                time.sleep(min(0.5, max(0.0, left)))
+
+    def durability(self, checkpoint_id: str | None = None) -> str:
+        """``"durable"`` once a checkpoint (by default the head) can be
+        resumed on any host of a shared store, ``"local"`` before (and
+        always, in a store of one host)."""
+        checkpoint_id = checkpoint_id or self.head
+        if self.store.shared is None or checkpoint_id is None:
+            return "local"
+        snapshot = self.db.checkpoint(checkpoint_id).disk_snapshot
+        if snapshot is None or not self._disk_stores:
+            return "durable"       # all of it is in the shared database
+        return "durable" if self._disk_stores[0].durable(snapshot) else "local"
+
+    def wait_durable(self, timeout: float | None = None) -> bool:
+        """Wait until the head is durable (False on timeout)."""
+        for disk_store in self._disk_stores:
+            if not disk_store.wait_pushed(timeout):
+                return False
+        return self.durability() == "durable"
+
+    def wait_for_decision(self, approval_id: str, *, timeout: float | None = None,
+                          poll: float = 0.25) -> Approval | None:
+        """Wait for an approval to be decided, from any process or host
+        (polling the shared records every ``poll`` seconds); the approval,
+        or None on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            asked = self.db.approval(approval_id, codec=self.codec)
+            if asked is None:
+                raise AgentError(f"no approval {approval_id} in {self.store.root}")
+            if asked.decision is not None:
+                return asked
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            time.sleep(poll if deadline is None else
+                       max(0.0, min(poll, deadline - time.monotonic())))
 
     def _full_environment(self, given: Environment | dict | None) -> Environment | None:
         """``given`` with the agent's own tools (and their versions) in its
@@ -266,6 +366,11 @@ class Agent:
         if self._closed:
             return
         self._closed = True
+        # What was checkpointed goes up before the thread is let go (best
+        # effort: what stays pending is pushed by the next process).
+        for disk_store in getattr(self, "_disk_stores", ()):
+            with contextlib.suppress(RemoteError, StoreError, OSError):
+                disk_store.wait_pushed(CLOSE_PUSH_WAIT)
         self.db.release(self.thread_id, self.owner, status)
         self.db.close()
 
@@ -400,6 +505,8 @@ class Agent:
                 if settled is not NOT_APPLIED:
                     return settled
         else:
+            if tool.external:
+                self._make_durable(base)
             self.db.record_intent(rid, self.thread_id, self.owner, base=base, position=position,
                                   tool=tool_name,
                                   args=self.codec.encode(args, f"journal {rid} args"),

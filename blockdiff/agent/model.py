@@ -507,10 +507,11 @@ class AgentDB:
         holder = db.execute("SELECT owner FROM threads WHERE id = ?",
                             (thread_id,)).fetchone()[0]
         if holder != owner:
-            raise ThreadBusy(f"thread {thread_id} was taken over by "
-                             f"{_process_of(holder) if holder else 'nobody'} (this process's "
-                             f"lease ended, and its fencing token {owner.partition('/')[2]} is "
-                             f"no longer the thread's); stopping rather than running it twice")
+            by = f"was taken over by {_process_of(holder)}" if holder else \
+                "was let go by another process"
+            raise ThreadBusy(f"thread {thread_id} {by} (this process's lease ended, and its "
+                             f"fencing token {owner.partition('/')[2] or '0'} is no longer the "
+                             f"thread's); stopping rather than running it twice")
 
     def mark_failing(self, thread_id: str, request_ids: Iterable[str]) -> None:
         """Mark a failed run's calls to undo and the thread 'failing', in one
@@ -651,6 +652,14 @@ class AgentDB:
                  if codec.sealing else meta_data.decode(), environment))
             db.execute("UPDATE threads SET head = ?, lease_until = ? WHERE id = ?",
                        (checkpoint_id, now + lease, thread_id))
+
+    def move_head(self, thread_id: str, owner: str, checkpoint_id: str, lease: float) -> None:
+        """Make an earlier checkpoint the head of the thread ``owner`` holds
+        (resuming from the last one another host can restore)."""
+        with self.transaction() as db:
+            self._check_owner(db, thread_id, owner)
+            db.execute("UPDATE threads SET head = ?, lease_until = ? WHERE id = ?",
+                       (checkpoint_id, time.time() + lease, thread_id))
 
     def history(self, thread_id: str) -> list[Checkpoint]:
         """The head's ancestry, newest first (crossing into the thread forked from)."""

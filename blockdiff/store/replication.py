@@ -187,6 +187,26 @@ def placement(store: StoreState) -> list[Placement]:
     return found
 
 
+def placement_of(store: StoreState, snap: Snapshot) -> Placement:
+    """Where one snapshot is (what :func:`placement` says of it, for the
+    cost of a few queries)."""
+    catalog = store.catalog
+    if store.shared is None:
+        return Placement(snap.id, None, True, False)
+    layers = catalog.layers_of(snap)
+    uploads = catalog.uploads(layers)
+    copies = catalog.copies_here()
+    here = store.map_path(snap).exists() and layers <= set(copies)
+    durable = all(uploads.get(x, (None, None))[1] is not None for x in layers)
+    cursor = snap
+    while durable:
+        durable = catalog.map_upload(cursor)[1] is not None
+        if cursor.map_base is None:
+            break
+        cursor = store.get(cursor.map_base)
+    return Placement(snap.id, catalog.host_names().get(snap.host), here, durable)
+
+
 def evict(store: StoreState, limit: int) -> tuple[list[int], int]:
     """Remove this host's least recently used layer copies that are in the
     object store until its copies take at most ``limit`` bytes; the layers

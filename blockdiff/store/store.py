@@ -420,11 +420,14 @@ class Store(StoreState):
         """Where every snapshot is, newest first: here or not, durable or not."""
         return replication.placement(self)
 
+    def placement_of(self, snapshot_id: str) -> replication.Placement:
+        """Where one snapshot is: here or not, durable or not."""
+        return replication.placement_of(self, self.get(snapshot_id))
+
     def durable(self, snapshot_id: str) -> bool:
         """Whether a snapshot can be restored by any host (in a store of one
         host: False, there being no object store)."""
-        sid = self.get(snapshot_id).id
-        return any(p.durable for p in self.placement() if p.snapshot == sid)
+        return self.placement_of(snapshot_id).durable
 
     def evict(self, cache_size: int) -> tuple[list[int], int]:
         """Drop this host's least recently used uploaded layer copies until
