@@ -48,9 +48,10 @@ def two_hosts(xfs, second_xfs, tmp_path, s3_env):  # noqa: F811
     b_root.mkdir()
     Store.init(xfs / "store", catalog=catalog, remote=remote).close()
     Store.init(b_root / "store", catalog=catalog).close()
-    # A's disk; B's is made by the example when it first runs there.
-    with open(xfs / "disk.img", "wb") as f:
-        f.truncate(DISK_SIZE)
+    # Each host's disk starts blank, as the example's first run expects.
+    for root in (xfs, b_root):
+        with open(root / "disk.img", "wb") as f:
+            f.truncate(DISK_SIZE)
     service = Service(xfs)
     try:
         yield Env(xfs, service), Env(b_root, service)

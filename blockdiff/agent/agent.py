@@ -223,11 +223,14 @@ class Agent:
             self.head: str | None = info.head
             self.state: dict = {}
             self.messages: list = []
-            self.resumed = info.head is not None
+            head = None
             if info.head is not None:
                 head = self._restorable_head(self.db.checkpoint(info.head))
+                self.head = None if head is None else head.id
+            self.resumed = head is not None
+            if head is not None:
                 self._check_environment(head, allow_environment_change)
-                self._load(info.head)
+                self._load(head.id)
                 if self.disk is not None and head.disk_snapshot:
                     self.disk.restore(head.disk_snapshot)
             report = self.run_pending_compensations()
@@ -249,27 +252,30 @@ class Agent:
         disk_store = getattr(self.disk, "store", None)
         return [disk_store] if getattr(disk_store, "shared", None) is not None else []
 
-    def _restorable_head(self, head: Checkpoint) -> Checkpoint:
+    def _restorable_head(self, head: Checkpoint) -> Checkpoint | None:
         """The checkpoint to resume from: the head, or in a shared store, if
         its disk snapshot never reached the object store from the host that
         took it (which died, say) and is not here, the newest ancestor whose
-        disk snapshot did. No external call was made from a checkpoint
-        after that one (see :meth:`_make_durable`), so resuming from it
-        repeats none; the head moves back to it."""
+        disk snapshot did (None: none did, the thread starts over). No
+        external call was made from a checkpoint after that one (see
+        :meth:`_make_durable`), so resuming from it repeats none; the head
+        moves back to it."""
         if not self._disk_stores:
             return head
         disk_store = self._disk_stores[0]
+        found = None
         for checkpoint in self.db.ancestry(head.id):
             snapshot = checkpoint.disk_snapshot
             if snapshot is None:
                 continue
             place = disk_store.placement_of(snapshot)
             if place.here or place.durable:
-                if checkpoint.id != head.id:
-                    self.db.move_head(self.thread_id, self.owner, checkpoint.id, self.lease)
-                    self.trace("resume.durable")
-                return checkpoint
-        return head
+                found = checkpoint
+                break
+        if found is None or found.id != head.id:
+            self.db.move_head(self.thread_id, self.owner, None if found is None else found.id,
+                              self.lease)
+        return found
 
     def _make_durable(self, base: str) -> None:
         """Before an external call from checkpoint ``base``: its disk

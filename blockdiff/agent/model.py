@@ -653,9 +653,10 @@ class AgentDB:
             db.execute("UPDATE threads SET head = ?, lease_until = ? WHERE id = ?",
                        (checkpoint_id, now + lease, thread_id))
 
-    def move_head(self, thread_id: str, owner: str, checkpoint_id: str, lease: float) -> None:
-        """Make an earlier checkpoint the head of the thread ``owner`` holds
-        (resuming from the last one another host can restore)."""
+    def move_head(self, thread_id: str, owner: str, checkpoint_id: str | None,
+                  lease: float) -> None:
+        """Make an earlier checkpoint (None: none) the head of the thread
+        ``owner`` holds (resuming from the last one another host can restore)."""
         with self.transaction() as db:
             self._check_owner(db, thread_id, owner)
             db.execute("UPDATE threads SET head = ?, lease_until = ? WHERE id = ?",
