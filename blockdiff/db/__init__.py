@@ -70,9 +70,37 @@ same way, with ``secure_delete=True`` and their group ``"agent"``)::
         db.execute("UPDATE threads SET head = ? WHERE id = ?", (head, thread_id))
 """
 
+from __future__ import annotations
+
+import os
+
 from blockdiff.db.migrations import Migrations, migrate, schema_version
+from blockdiff.db.postgresql import PostgreSQLDatabase, is_url, open_postgresql, public_url
 from blockdiff.db.protocol import Database, Rows, damaged
 from blockdiff.db.sqlite import SQLiteDatabase, connect, create_private
 
-__all__ = ["Database", "Migrations", "Rows", "SQLiteDatabase", "connect", "create_private",
-           "damaged", "migrate", "schema_version"]
+__all__ = ["Database", "Migrations", "PostgreSQLDatabase", "Rows", "SQLiteDatabase", "connect",
+           "create_private", "damaged", "is_url", "migrate", "open_database", "open_postgresql",
+           "public_url", "schema_version"]
+
+# What each kind takes of open_database's options; the rest do not apply to it.
+_SQLITE_OPTIONS = frozenset({"create", "mode", "foreign_keys", "secure_delete", "readonly",
+                             "timeout"})
+_POSTGRESQL_OPTIONS = frozenset({"schema", "connect_timeout", "timeout", "readonly"})
+
+
+def open_database(target: str | os.PathLike, **options) -> Database:
+    """Open a database of either kind: a ``postgresql://`` or ``postgres://``
+    URL with :func:`open_postgresql` (``schema``, ``connect_timeout``,
+    ``timeout``, ``readonly``), anything else as a SQLite file with
+    :func:`connect` (``create``, ``mode``, ``foreign_keys``,
+    ``secure_delete``, ``readonly``, ``timeout``). An option of the other
+    kind only is ignored: a PostgreSQL database has no file mode and always
+    enforces foreign keys, a SQLite file has no schemas."""
+    unknown = set(options) - _SQLITE_OPTIONS - _POSTGRESQL_OPTIONS
+    if unknown:
+        raise TypeError(f"open_database() got unknown options: {', '.join(sorted(unknown))}")
+    if is_url(target):
+        return open_postgresql(target, **{k: v for k, v in options.items()
+                                          if k in _POSTGRESQL_OPTIONS})
+    return connect(target, **{k: v for k, v in options.items() if k in _SQLITE_OPTIONS})
