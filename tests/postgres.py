@@ -31,6 +31,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,6 +89,13 @@ def _die_with_parent() -> None:
     # Runs in the child after it became RUN_AS (which clears the setting),
     # before exec: a SIGKILLed test run takes its server along.
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _die_with_this_thread():
+    """``_die_with_parent`` if this is the main thread, else None: the
+    signal comes when the thread that started the child ends, which for any
+    other thread is long before the test run does."""
+    return _die_with_parent if threading.current_thread() is threading.main_thread() else None
 
 
 @dataclass
@@ -157,7 +165,7 @@ class PostgresServer:
                                             stdin=subprocess.DEVNULL, stdout=log,
                                             stderr=subprocess.STDOUT, cwd=self.directory,
                                             start_new_session=True,
-                                            preexec_fn=_die_with_parent)
+                                            preexec_fn=_die_with_this_thread())
         finally:
             os.close(log)
         try:

@@ -44,10 +44,11 @@ import os
 import re
 import select
 import threading
+import time
 import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from blockdiff.errors import ConstraintFailed, DatabaseError, UsageError
 
@@ -67,6 +68,8 @@ URL_SCHEMES = ("postgresql", "postgres")
 _LOCK_CLASS = 0x62646966
 _SECRET_PARAMETERS = ("password", "sslpassword")
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+# Seconds between attempts to connect again to a server that is restarting.
+_RECONNECT_PAUSE = 0.2
 # How many times an idle connection's input is read before a statement: a
 # server that closed it sent a message and the end of the stream.
 _IDLE_READS = 4
@@ -90,7 +93,7 @@ def public_url(url: str) -> str:
     netloc = f"{user}@{netloc[2]}" if netloc[1] else netloc[2]
     query = urlencode([(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True)
                        if k not in _SECRET_PARAMETERS])
-    return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
 
 
 def _secrets_of(url: str) -> list[str]:
@@ -176,36 +179,50 @@ class PostgreSQLDatabase:
 
     # ------------------------------------------------------------ connection
 
-    def _connect(self):
+    def _connect(self, *, patient: bool = False):
+        """A new connection. ``patient``: the server is coming back (the
+        last connection was lost), so a server that refuses connections is
+        tried again for up to the connect timeout before DatabaseError."""
         options = f"-c lock_timeout={self._lock_timeout_ms}"
         if self.schema:
             options += f" -c search_path={self.schema}"
         if self._readonly:
             options += " -c default_transaction_read_only=on"
-        try:
-            connection = psycopg.connect(self._url, autocommit=True,
-                                         connect_timeout=self._connect_timeout,
-                                         options=options, application_name="blockdiff")
-        except psycopg.ProgrammingError as e:     # libpq could not read the URL
-            raise UsageError(f"{self.name} is not a database URL libpq accepts "
-                             f"({self._one_line(e)})") from None
-        except psycopg.Error as e:
-            raise self._connect_error(e) from None
-        return connection
+        deadline = time.monotonic() + (self._connect_timeout if patient else 0)
+        while True:
+            # The errors are raised outside the handlers: psycopg's, which may
+            # quote the URL (a malformed one, password and all), are dropped,
+            # not kept as the context of blockdiff's.
+            try:
+                return psycopg.connect(self._url, autocommit=True,
+                                       connect_timeout=self._connect_timeout,
+                                       options=options, application_name="blockdiff")
+            except psycopg.ProgrammingError as e:     # libpq could not read the URL
+                error, passing = UsageError(f"{self.name} is not a database URL libpq "
+                                            f"accepts ({self._one_line(e)})"), False
+            except psycopg.Error as e:
+                error, passing = self._connect_failure(e)
+            if not (passing and time.monotonic() < deadline):
+                raise error
+            time.sleep(_RECONNECT_PAUSE)
 
-    def _connect_error(self, error) -> DatabaseError:
+    def _connect_failure(self, error) -> tuple[DatabaseError, bool]:
+        """The error for a connection refused (credentials, no such database,
+        no server) and whether it is the last, which may pass. libpq gives
+        no code for these, so its (English) text tells them apart; a text in
+        another language is reported as it is, as no server."""
         reason = self._one_line(error)
         lowered = reason.lower()
         if "password" in lowered or "authentication" in lowered or (
                 "role" in lowered and "does not exist" in lowered):
             return DatabaseError(f"the database server of {self.name} refused the credentials "
                                  f"({reason}); check the user and the password (in the URL, "
-                                 f"PGPASSWORD or ~/.pgpass)")
+                                 f"PGPASSWORD or ~/.pgpass)"), False
         if "database" in lowered and "does not exist" in lowered:
             return DatabaseError(f"there is no database {self.name} ({reason}); create it "
-                                 f"(createdb) or correct the URL")
+                                 f"(createdb) or correct the URL"), False
         return DatabaseError(f"cannot connect to the database {self.name} ({reason}); check "
-                             f"that its server runs and that this host can reach it")
+                             f"that its server runs and that this host can reach it"), True
 
     def _one_line(self, error) -> str:
         """psycopg's message, on one line, without any secret."""
@@ -240,7 +257,7 @@ class PostgreSQLDatabase:
                 with contextlib.suppress(Exception):
                     connection.close()
             self._connection = None
-            self._connection = connection = self._connect()
+            self._connection = connection = self._connect(patient=True)
         return connection
 
     def _make_schema(self) -> None:
@@ -327,7 +344,7 @@ class PostgreSQLDatabase:
                                  f"more than {self._lock_timeout_ms / 1000:g} s ({reason}); "
                                  f"try again when it is done")
         if sqlstate.startswith("28"):         # invalid authorization
-            return self._connect_error(error)
+            return self._connect_failure(error)[0]
         if not sqlstate and isinstance(error, psycopg.OperationalError):
             return DatabaseError(f"the database {self.name} cannot be reached ({reason}); "
                                  f"check that its server runs, then try again")
