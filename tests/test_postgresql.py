@@ -724,6 +724,7 @@ def test_langgraph_saver_on_postgresql_with_a_disk_and_agent_records(xfs, postgr
     from langgraph.graph import END, START, StateGraph
     from typing_extensions import TypedDict
 
+    from blockdiff.agent import model
     from blockdiff.agent.disks import ImageDisk
     from blockdiff.agent.langgraph import BlockdiffSaver
     from blockdiff.store.store import Store
@@ -736,6 +737,7 @@ def test_langgraph_saver_on_postgresql_with_a_disk_and_agent_records(xfs, postgr
         f.truncate(1 << 20)
     with Store.init(xfs / "store") as store:
         agent_db = open_database(postgres_url, schema="agent")
+        migrate(agent_db, model.SCHEMA)
         disk = ImageDisk(store, image)
         saver = BlockdiffSaver(store, disk, db=open_database(postgres_url, schema="langgraph"),
                                agent_db=agent_db)
@@ -763,8 +765,18 @@ def test_langgraph_saver_on_postgresql_with_a_disk_and_agent_records(xfs, postgr
         data = image.read_bytes()
         assert data[:4096] == b"\x01" * 4096 and data[4096:8192] == b"\0" * 4096
         other.close()
+        # An agent checkpoint names step 1's snapshot: a prune leaves it.
+        kept = saver.disk_snapshot(one.config)
+        agent_db.execute("INSERT INTO threads (id, created) VALUES ('a', 0)")
+        agent_db.execute("INSERT INTO checkpoints (id, thread, step, version, created, reason, "
+                         "state, messages, content_hash, disk_snapshot, meta) "
+                         "VALUES ('c', 'a', 0, 2, 0, 'start', ?, ?, 'h', ?, ?)",
+                         (b"J{}", b"J[]", kept, b"J{}"))
+        snapshots = {s.id for s in store.log()}
+        latest = saver.disk_snapshot(config)
         saver.prune(["t"])
         assert len(list(saver.list(config))) == 1
+        assert {s.id for s in store.log()} == {latest, kept} < snapshots
         assert store.verify() == {}
         saver.close()
         agent_db.close()

@@ -12,10 +12,11 @@ Where it differs from SQLite, and why:
   half-way or losing an update. The transaction is READ COMMITTED: each
   statement sees what the writer before committed (REPEATABLE READ would keep
   the snapshot taken before the lock was granted). The key is fixed per
-  schema: the catalog, the agent records and the LangGraph checkpoints of
-  one database each queue on their own, so that a transaction on one of
-  them may write another (the LangGraph saver removes a store snapshot from
-  inside its own transaction) without waiting for itself.
+  schema (a CRC of its name): the catalog, the agent records and the
+  LangGraph checkpoints of one database each queue on their own, so that a
+  transaction on one of them may write another (the LangGraph saver removes
+  a store snapshot from inside its own transaction) without waiting for
+  itself. With one key per database, that would wait for the lock timeout.
 - A schema per user. The three users have tables of the same name
   (``checkpoints``), so each opens the database with its own ``schema``
   (made when missing; the ``search_path`` of its connection).
@@ -68,6 +69,11 @@ URL_SCHEMES = ("postgresql", "postgres")
 _LOCK_CLASS = 0x62646966
 _SECRET_PARAMETERS = ("password", "sslpassword")
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+# A server that vanished without closing the connection (a partition, a host
+# that died) is noticed within about a minute instead of never: TCP
+# keepalives while idle, and a bound on unacknowledged writes.
+_DEAD_PEER = {"keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10,
+              "keepalives_count": 3, "tcp_user_timeout": 60_000}
 # Seconds between attempts to connect again to a server that is restarting.
 _RECONNECT_PAUSE = 0.2
 # How many times an idle connection's input is read before a statement: a
@@ -196,7 +202,8 @@ class PostgreSQLDatabase:
             try:
                 return psycopg.connect(self._url, autocommit=True,
                                        connect_timeout=self._connect_timeout,
-                                       options=options, application_name="blockdiff")
+                                       options=options, application_name="blockdiff",
+                                       **_DEAD_PEER)
             except psycopg.ProgrammingError as e:     # libpq could not read the URL
                 error, passing = UsageError(f"{self.name} is not a database URL libpq "
                                             f"accepts ({self._one_line(e)})"), False
@@ -357,10 +364,10 @@ class PostgreSQLDatabase:
         """BEGIN, the schema's advisory lock, ... COMMIT; ROLLBACK if the block
         raises. Nested: DatabaseError."""
         with self.lock:
-            self._begin("BEGIN ISOLATION LEVEL READ COMMITTED")
+            # One round trip for both (the key is ours, two integers).
+            self._begin("BEGIN ISOLATION LEVEL READ COMMITTED; "
+                        "SELECT pg_advisory_xact_lock(%d, %d)" % self._lock_key)
             try:
-                self._run(lambda c: c.execute("SELECT pg_advisory_xact_lock(%s, %s)",
-                                              self._lock_key), retry=False)
                 yield self
             except BaseException:
                 self._end("ROLLBACK")
@@ -381,10 +388,20 @@ class PostgreSQLDatabase:
             self._end("COMMIT")
 
     def _begin(self, command: str) -> None:
+        """Run ``command`` (SQL without parameters: BEGIN and what goes with
+        it) to open a transaction."""
         if self._transaction is not None:
             raise DatabaseError(f"{self.name}: a transaction is open already in this "
                                 f"process; transactions do not nest")
-        self._run(lambda c: c.execute(command), retry=True)
+        try:
+            # Nothing is done before the transaction begins: safe to run again.
+            self._run(lambda c: c.execute(command), retry=True)
+        except BaseException:
+            # BEGIN may have passed and the lock not (its timeout, Ctrl-C).
+            with contextlib.suppress(psycopg.Error):
+                if self._connection is not None and not self._connection.closed:
+                    self._connection.execute("ROLLBACK")
+            raise
         self._transaction = "open"
 
     def _end(self, command: str) -> None:
