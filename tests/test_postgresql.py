@@ -808,3 +808,41 @@ def test_sqlite_behaviour_is_unchanged_by_the_ported_sql(tmp_path):
             migrate(db, group)
             assert db.execute("PRAGMA user_version").fetchone() == (group.version,)
             assert db.integrity_problems() == []
+
+
+def test_a_full_disk_on_the_server_is_enospc(postgres_url, postgres_server):
+    # A tablespace on a small tmpfs of its own, inside the cluster's directory
+    # (which only the server's user may enter): the server's writes there fail.
+    import errno
+    import pwd
+
+    account = pwd.getpwnam(postgres.RUN_AS)
+    name = "small_" + postgres_url.rsplit("/", 1)[1]
+    space = postgres_server.directory / name
+    space.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size=4m,mode=0700,uid="
+                              f"{account.pw_uid},gid={account.pw_gid}", "tmpfs", str(space)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        space.rmdir()
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    db = open_database(postgres_url)
+    try:
+        db.execute(f"CREATE TABLESPACE {name} LOCATION '{space}'")
+        db.execute(f"CREATE TABLE filler (body BYTEA) TABLESPACE {name}")
+        # Incompressible rows kept out of line in the table's own tablespace.
+        db.execute("ALTER TABLE filler ALTER COLUMN body SET STORAGE EXTERNAL")
+        with pytest.raises(OSError) as raised:
+            for _ in range(64):
+                db.execute("INSERT INTO filler VALUES (?)", (os.urandom(1 << 20),))
+        assert raised.value.errno == errno.ENOSPC and raised.value.filename == db.name
+        assert "\n" not in str(raised.value)
+        assert db.execute("SELECT 1").fetchone() == (1,)        # still usable
+    finally:
+        with contextlib.suppress(DatabaseError):
+            db.execute("DROP TABLE IF EXISTS filler")
+        with contextlib.suppress(DatabaseError):
+            db.execute(f"DROP TABLESPACE IF EXISTS {name}")
+        db.close()
+        subprocess.run(["umount", str(space)], check=False)
+        space.rmdir()
