@@ -3,7 +3,9 @@ and ties each one to the snapshot of the sandbox disk at that step.
 
 Install with ``pip install blockdiff[langgraph]``. Checkpoints go to their own
 SQLite database in the store directory (``langgraph.sqlite``), so any number of
-processes can share a store. With a ``disk`` (an :class:`~blockdiff.agent.disks.ImageDisk`,
+processes can share a store, or to a :class:`~blockdiff.db.Database` given
+(``db=``: the shared catalog's PostgreSQL, so that savers on several hosts
+share them). With a ``disk`` (an :class:`~blockdiff.agent.disks.ImageDisk`,
 a :class:`~blockdiff.vm.sandbox.Sandbox`, or anything with ``checkpoint`` and
 ``restore``), every checkpoint of the top-level graph first snapshots the disk
 (an unchanged disk reuses its last snapshot) and records the snapshot id, also
@@ -51,8 +53,13 @@ metadata has one of the run ids). What they delete takes its writes and the
 channel values nothing else uses with it, and the disk snapshots that only the
 deleted checkpoints used are removed from the store (``Store.rm``; every other
 snapshot stays restorable), except those that a checkpoint of any thread or an
-agent checkpoint (``agent.sqlite``) still names, and those a LangGraph saver did
-not take (a snapshot an unchanged disk reused, such as its base image's).
+agent checkpoint (``agent.sqlite``, or the ``agent_db`` given) still names, and
+those a LangGraph saver did not take (a snapshot an unchanged disk reused, such
+as its base image's).
+
+Its SQL runs on both dialects of :mod:`blockdiff.db` (``ON CONFLICT`` upserts,
+the channel values looked up through a ``VALUES`` list joined on the blobs'
+key); only the DDL differs.
 """
 
 from __future__ import annotations
@@ -60,7 +67,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import os
 import random
 import threading
@@ -82,7 +88,7 @@ from langgraph.checkpoint.base import (
     get_checkpoint_metadata,
 )
 
-from blockdiff.db import Migrations, connect, migrate, schema_version
+from blockdiff.db import Database, Migrations, connect, migrate, schema_version
 from blockdiff.errors import (
     DatabaseError,
     DiskWaitTimeout,
@@ -94,6 +100,7 @@ from blockdiff.errors import (
     UnknownSaverCheckpoint,
     UnknownStrategy,
 )
+from blockdiff.store.shared import open_shared_database
 from blockdiff.store.store import Store, UnknownSnapshot
 
 DB_NAME = "langgraph.sqlite"
@@ -172,9 +179,92 @@ MIGRATIONS = [
     CREATE INDEX checkpoint_runs_run_id ON checkpoint_runs (run_id);
     """,
 ]
+# The same versions on PostgreSQL: BYTEA for BLOB, DOUBLE PRECISION for REAL,
+# text compared byte by byte (COLLATE "C": checkpoint ids are ordered), as
+# SQLite's is.
+POSTGRESQL_MIGRATIONS = [
+    """
+    CREATE TABLE checkpoints (
+        thread_id TEXT COLLATE "C" NOT NULL,
+        checkpoint_ns TEXT COLLATE "C" NOT NULL,
+        checkpoint_id TEXT COLLATE "C" NOT NULL,
+        parent_checkpoint_id TEXT COLLATE "C",
+        checkpoint_type TEXT COLLATE "C" NOT NULL,
+        checkpoint BYTEA NOT NULL,
+        metadata_type TEXT COLLATE "C" NOT NULL,
+        metadata BYTEA NOT NULL,
+        disk_snapshot TEXT COLLATE "C",
+        created DOUBLE PRECISION NOT NULL,
+        PRIMARY KEY (thread_id, checkpoint_ns, checkpoint_id)
+    );
+    CREATE INDEX checkpoints_order ON checkpoints (checkpoint_id);
+    CREATE INDEX checkpoints_disk_snapshot ON checkpoints (disk_snapshot);
+    CREATE TABLE blobs (
+        thread_id TEXT COLLATE "C" NOT NULL,
+        checkpoint_ns TEXT COLLATE "C" NOT NULL,
+        channel TEXT COLLATE "C" NOT NULL,
+        version TEXT COLLATE "C" NOT NULL,
+        type TEXT COLLATE "C" NOT NULL,
+        value BYTEA NOT NULL,
+        PRIMARY KEY (thread_id, checkpoint_ns, channel, version)
+    );
+    CREATE TABLE writes (
+        thread_id TEXT COLLATE "C" NOT NULL,
+        checkpoint_ns TEXT COLLATE "C" NOT NULL,
+        checkpoint_id TEXT COLLATE "C" NOT NULL,
+        task_id TEXT COLLATE "C" NOT NULL,
+        idx BIGINT NOT NULL,
+        channel TEXT COLLATE "C" NOT NULL,
+        type TEXT COLLATE "C" NOT NULL,
+        value BYTEA NOT NULL,
+        task_path TEXT COLLATE "C" NOT NULL DEFAULT '',
+        PRIMARY KEY (thread_id, checkpoint_ns, checkpoint_id, task_id, idx)
+    );
+    """,
+    """
+    CREATE TABLE checkpoint_runs (
+        thread_id TEXT COLLATE "C" NOT NULL,
+        checkpoint_ns TEXT COLLATE "C" NOT NULL,
+        checkpoint_id TEXT COLLATE "C" NOT NULL,
+        run_id TEXT COLLATE "C" NOT NULL,
+        PRIMARY KEY (thread_id, checkpoint_ns, checkpoint_id)
+    );
+    CREATE INDEX checkpoint_runs_run_id ON checkpoint_runs (run_id);
+    """,
+]
 SCHEMA_VERSION = len(MIGRATIONS)
 # Databases made before the db layer count their migrations in PRAGMA user_version.
-SCHEMA = Migrations("langgraph", MIGRATIONS, legacy="user_version")
+SCHEMA = Migrations("langgraph", MIGRATIONS, legacy="user_version",
+                    postgresql=POSTGRESQL_MIGRATIONS)
+
+# Each table's columns (in the order of its DDL) and key, for the upserts
+# that replace a row ("INSERT OR REPLACE" on SQLite only).
+_COLUMNS = {
+    "checkpoints": (_CHECKPOINT_COLUMNS.split(", "), ("thread_id", "checkpoint_ns",
+                                                      "checkpoint_id")),
+    "blobs": (("thread_id", "checkpoint_ns", "channel", "version", "type", "value"),
+              ("thread_id", "checkpoint_ns", "channel", "version")),
+    "writes": (("thread_id", "checkpoint_ns", "checkpoint_id", "task_id", "idx", "channel",
+                "type", "value", "task_path"),
+               ("thread_id", "checkpoint_ns", "checkpoint_id", "task_id", "idx")),
+    "checkpoint_runs": (("thread_id", "checkpoint_ns", "checkpoint_id", "run_id"),
+                        ("thread_id", "checkpoint_ns", "checkpoint_id")),
+}
+
+
+def _upsert(table: str, rows: str | None = None, *, replace: bool = True) -> str:
+    """An INSERT into ``table`` of every column, from ``rows`` (a SELECT; by
+    default one row of ``?``), that replaces a row of the same key
+    (``replace``) or keeps it."""
+    columns, key = _COLUMNS[table]
+    source = rows or f"VALUES ({', '.join('?' * len(columns))})"
+    if replace:
+        update = ", ".join(f"{c} = excluded.{c}" for c in columns if c not in key)
+        action = f"DO UPDATE SET {update}"
+    else:
+        action = "DO NOTHING"
+    return (f"INSERT INTO {table} ({', '.join(columns)}) {source} "
+            f"ON CONFLICT ({', '.join(key)}) {action}")
 
 
 def _configurable(config: RunnableConfig | None) -> dict:
@@ -189,9 +279,9 @@ def _thread_id(config: RunnableConfig | None) -> str:
     return str(thread_id)
 
 
-def _chunks(items: list) -> Iterator[list]:
-    for start in range(0, len(items), _CHUNK):
-        yield items[start:start + _CHUNK]
+def _chunks(items: list, size: int = _CHUNK) -> Iterator[list]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
 
 
 def _marks(chunk: list) -> str:
@@ -208,12 +298,18 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
 
     ``store`` is a :class:`~blockdiff.store.store.Store` or its directory; ``disk``
     follows the disk protocol of :mod:`blockdiff.agent.disks` (None: no snapshots).
+    ``db``: an open :class:`~blockdiff.db.Database` for the checkpoints
+    instead of the store's ``langgraph.sqlite`` (its tables made if it has
+    none), which the saver then owns and closes; ``agent_db``: where the
+    agent checkpoints whose disk snapshots a prune leaves alone are, if not
+    in the store's ``agent.sqlite`` (the saver reads it, and leaves it open).
     Close the saver when done (or use it as a context manager); a ``Store``
     passed in stays open.
     """
 
     def __init__(self, store: Store | str | os.PathLike, disk: Any = None, *,
-                 serde: SerializerProtocol | None = None) -> None:
+                 serde: SerializerProtocol | None = None, db: Database | None = None,
+                 agent_db: Database | None = None) -> None:
         super().__init__(serde=serde)
         # The store disk snapshots are removed from by prune and delete_for_runs;
         # a directory is opened only for that.
@@ -221,21 +317,39 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
         if isinstance(store, Store):
             self.root = Path(store.root)
             mode = getattr(store, "file_mode", 0o600)
+            shared = store.shared
         else:
             with Store(store) as opened:   # refuses a directory that is no store
                 self.root = Path(opened.root)
                 mode = getattr(opened, "file_mode", 0o600)
+                shared = opened.shared
         self.disk = disk
-        self.path = self.root / DB_NAME
+        # A store shared by several hosts keeps the checkpoints, and the
+        # agent records a prune consults, in its shared database; the disk's
+        # snapshots are uploaded in the background.
+        self._own_agent_db = None
+        if shared is not None:
+            if db is None:
+                db = open_shared_database(shared, self.root, "langgraph")
+            if agent_db is None:
+                agent_db = self._own_agent_db = open_shared_database(shared, self.root, "agent")
+            disk_store = getattr(disk, "store", None)
+            if getattr(disk_store, "shared", None) is not None:
+                disk_store.push_in_background()
+        # The SQLite file of the checkpoints; None in a Database given.
+        self.path = self.root / DB_NAME if db is None else None
+        self._agent_db = agent_db
         # One connection shared by LangGraph's worker threads, used under its
         # lock: a connection per thread would outlive pool threads and hold
         # the file open.
-        self._db = connect(self.path, mode=mode)
+        self._db = db if db is not None else connect(self.path, mode=mode)
         self._lock = self._db.lock
         try:
             migrate(self._db, SCHEMA)
         except BaseException:
             self._db.close()
+            if self._own_agent_db is not None:
+                self._own_agent_db.close()
             raise
         # Disk calls are serialised: a snapshot and a restore of one disk must
         # never overlap, and ImageDisk refuses a second commit as busy.
@@ -250,6 +364,8 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
 
     def close(self) -> None:
         self._db.close()
+        if self._own_agent_db is not None:
+            self._own_agent_db.close()
 
     def __enter__(self) -> BlockdiffSaver:
         return self
@@ -299,15 +415,18 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
         wanted = [(channel, str(version)) for channel, version in versions.items()]
         values: dict[str, Any] = {}
         # Blobs are looked up by (channel, version) pairs: a checkpoint stores only
-        # the channels that changed, and shares the rest with its ancestors.
-        for channel, value_type, value in db.execute(
-                "SELECT b.channel, b.type, b.value FROM blobs b "
-                "JOIN json_each(?) w ON b.channel = json_extract(w.value, '$[0]') "
-                "AND b.version = json_extract(w.value, '$[1]') "
-                "WHERE b.thread_id = ? AND b.checkpoint_ns = ?",
-                (json.dumps(wanted), thread_id, checkpoint_ns)):
-            if value_type != "empty":
-                values[channel] = self.serde.loads_typed((value_type, value))
+        # the channels that changed, and shares the rest with its ancestors. The
+        # pairs are a VALUES list joined on the blobs' key: one index lookup each.
+        for chunk in _chunks(wanted, _CHUNK // 2):
+            pairs = ", ".join(["(?, ?)"] * len(chunk))
+            for channel, value_type, value in db.execute(
+                    f"WITH wanted (channel, version) AS (VALUES {pairs}) "
+                    "SELECT b.channel, b.type, b.value FROM wanted w JOIN blobs b "
+                    "ON b.thread_id = ? AND b.checkpoint_ns = ? AND b.channel = w.channel "
+                    "AND b.version = w.version",
+                    (*(item for pair in chunk for item in pair), thread_id, checkpoint_ns)):
+                if value_type != "empty":
+                    values[channel] = self.serde.loads_typed((value_type, value))
         writes = [
             (task_id, channel, self.serde.loads_typed((value_type, value)))
             for task_id, channel, value_type, value in db.execute(
@@ -416,15 +535,13 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
                     # the disk is snapshotted again.
                     if snapshot is not None and self._snapshot_removed(snapshot):
                         continue
-                    db.executemany("INSERT OR REPLACE INTO blobs VALUES (?, ?, ?, ?, ?, ?)",
-                                   blobs)
+                    db.executemany(_upsert("blobs"), blobs)
                     db.execute(
-                        f"INSERT OR REPLACE INTO checkpoints ({_CHECKPOINT_COLUMNS}) "
-                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        _upsert("checkpoints"),
                         (thread_id, checkpoint_ns, checkpoint["id"],
                          _configurable(config).get("checkpoint_id"), checkpoint_type,
                          checkpoint_blob, metadata_type, metadata_blob, snapshot, time.time()))
-                    db.execute("INSERT OR REPLACE INTO checkpoint_runs VALUES (?, ?, ?, ?)",
+                    db.execute(_upsert("checkpoint_runs"),
                                (thread_id, checkpoint_ns, checkpoint["id"], run_id))
                 break
             else:
@@ -462,8 +579,7 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
                 # A task's ordinary writes are final once saved (a retry must
                 # not change them); its special writes (error, interrupt,
                 # resume) are replaced by the latest.
-                verb = "INSERT OR IGNORE" if idx >= 0 else "INSERT OR REPLACE"
-                db.execute(f"{verb} INTO writes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                db.execute(_upsert("writes", replace=idx < 0),
                            (thread_id, checkpoint_ns, checkpoint_id, task_id, idx, channel,
                             value_type, blob, task_path))
 
@@ -484,20 +600,18 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
             if db.execute("SELECT 1 FROM checkpoints WHERE thread_id = ? LIMIT 1",
                           (target,)).fetchone():
                 raise ThreadNotEmpty(
-                    f"thread {target!r} already has checkpoints in {self.path}; copy into a new "
-                    f"thread id, or delete that thread first")
+                    f"thread {target!r} already has checkpoints in {self._db.name}; copy into a "
+                    f"new thread id, or delete that thread first")
             columns = _CHECKPOINT_COLUMNS.split(", ", 1)[1]
             db.execute(f"INSERT INTO checkpoints ({_CHECKPOINT_COLUMNS}) "
                        f"SELECT ?, {columns} FROM checkpoints WHERE thread_id = ?",
                        (target, source))
-            db.execute("INSERT OR REPLACE INTO checkpoint_runs SELECT ?, checkpoint_ns, "
-                       "checkpoint_id, run_id FROM checkpoint_runs WHERE thread_id = ?",
-                       (target, source))
-            db.execute("INSERT OR REPLACE INTO blobs SELECT ?, checkpoint_ns, channel, version, "
-                       "type, value FROM blobs WHERE thread_id = ?", (target, source))
-            db.execute("INSERT OR REPLACE INTO writes SELECT ?, checkpoint_ns, checkpoint_id, "
-                       "task_id, idx, channel, type, value, task_path FROM writes "
-                       "WHERE thread_id = ?", (target, source))
+            for table in ("checkpoint_runs", "blobs", "writes"):
+                # (A SELECT with a WHERE: SQLite's parser takes the ON of
+                # ON CONFLICT right after a bare FROM for a join's.)
+                rest = ", ".join(_COLUMNS[table][0][1:])
+                db.execute(_upsert(table, f"SELECT ?, {rest} FROM {table} WHERE thread_id = ?"),
+                           (target, source))
         with self._saved:
             self._saved.notify_all()
 
@@ -621,7 +735,7 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
             run_id = (self.serde.loads_typed((metadata_type, metadata)) or {}).get("run_id")
             found.append((thread_id, checkpoint_ns, checkpoint_id,
                           "" if run_id is None else str(run_id)))
-        db.executemany("INSERT OR REPLACE INTO checkpoint_runs VALUES (?, ?, ?, ?)", found)
+        db.executemany(_upsert("checkpoint_runs"), found)
 
     def _delete_and_release(self, select) -> None:
         """In one transaction: delete the checkpoints ``select(db)`` names
@@ -699,7 +813,10 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
 
     def _agent_references(self, snapshots: set[str]) -> set[str]:
         """Those of ``snapshots`` that agent checkpoints (``blockdiff.agent.agent``,
-        in the same store) name; all of them if that database cannot be read."""
+        in the same store, or in ``agent_db``) name; all of them if that
+        database cannot be read."""
+        if self._agent_db is not None:
+            return self._snapshots_named(self._agent_db, snapshots)
         path = self.root / AGENT_DB_NAME
         if not snapshots or not path.exists():
             return set()
@@ -707,6 +824,17 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
             agent_db = connect(path, readonly=True)
         except (DatabaseError, OSError):
             return set(snapshots)
+        try:
+            return self._snapshots_named(agent_db, snapshots)
+        finally:
+            agent_db.close()
+
+    @staticmethod
+    def _snapshots_named(agent_db: Database, snapshots: set[str]) -> set[str]:
+        """Those of ``snapshots`` that the agent checkpoints in ``agent_db``
+        name; all of them if it cannot be read."""
+        if not snapshots:
+            return set()
         try:
             found = set()
             for chunk in _chunks(sorted(snapshots)):
@@ -716,8 +844,6 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
             return found
         except (DatabaseError, OSError):
             return set(snapshots)
-        finally:
-            agent_db.close()
 
     @contextlib.contextmanager
     def _removal_store(self):
@@ -811,7 +937,7 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
                     raise UnknownSaverCheckpoint(
                         f"no checkpoint {checkpoint_id!r} in thread {thread_id!r}"
                         + (f" (namespace {checkpoint_ns!r})" if checkpoint_ns else "")
-                        + f" of {self.path}; list them with graph.get_state_history(config)")
+                        + f" of {self._db.name}; list them with graph.get_state_history(config)")
             else:
                 row = self._db.execute(
                     "SELECT disk_snapshot FROM checkpoints WHERE thread_id = ? "
@@ -832,7 +958,7 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
             checkpoint_id = get_checkpoint_id(config)
             if checkpoint_id is None and self.get_tuple(config) is None:
                 raise UnknownSaverCheckpoint(
-                    f"thread {thread_id!r} has no checkpoint in {self.path}")
+                    f"thread {thread_id!r} has no checkpoint in {self._db.name}")
             which = f"checkpoint {checkpoint_id}" if checkpoint_id else "the latest checkpoint"
             raise NoDiskSnapshot(f"{which} of thread {thread_id!r} has no disk snapshot: it was "
                                  f"saved without a disk, or by a subgraph")

@@ -27,11 +27,12 @@ class Database(Protocol):
     """One connection to a database, shared by the threads of a process."""
 
     name: str
-    """What messages call the database: a file's path, a server's name."""
+    """What messages call the database: a file's path, a server's URL
+    without its password."""
 
     dialect: str
-    """``"sqlite"`` (the one built) or ``"postgresql"``: which DDL its
-    migrations are written in."""
+    """``"sqlite"`` or ``"postgresql"``: which DDL its migrations are
+    written in."""
 
     lock: contextlib.AbstractContextManager
     """Held by :meth:`transaction` and :meth:`reading`; a caller that wants a
@@ -61,8 +62,9 @@ class Database(Protocol):
         """The names of the tables the database has."""
 
     def integrity_problems(self) -> list[str]:
-        """What the database's own consistency checks report (pages, indexes,
-        foreign keys); empty when it is sound."""
+        """What the database's own consistency checks report (SQLite: pages,
+        indexes, foreign keys; PostgreSQL: invalid indexes, constraints not
+        validated); empty when it is sound."""
 
     def close(self) -> None:
         """Close the connection (after any transaction another thread has open)."""

@@ -132,25 +132,35 @@ def open_catalog(target: str, root: Path, *, create: bool = False) -> Catalog:
     (made when ``create`` and there is none). A new catalog gets its schema
     from the first host that opens it."""
     if is_url(target):
-        from blockdiff.db import open_database   # psycopg is needed only here
-        passfile = root / PASSFILE
-        options = {"passfile": str(passfile)} if passfile.exists() else {}
-        return Catalog.on(open_database(target, **options), create=create)
+        return Catalog(_open_url(target, root, "catalog"), create=create)
     path = Path(target)
     return Catalog(str(path), create=create and not path.exists())
 
 
-def open_shared_database(config: SharedConfig, root: Path, **options):
-    """Another connection to the database of a shared store's catalog, for
-    the records kept beside it (the agent's, the LangGraph checkpoints);
-    ``options`` are SQLite's (``connect``) and apply to a file only."""
+def _open_url(url: str, root: Path, user: str):
+    """A connection to the shared PostgreSQL database, in the schema of one
+    of its users (the catalog, the agent records, the LangGraph checkpoints:
+    each has tables of its own names), with this host's passfile if any."""
+    from blockdiff.db import open_database   # psycopg is needed only here
+    passfile = root / PASSFILE
+    if passfile.exists():
+        parts = urllib.parse.urlsplit(url)
+        query = urllib.parse.parse_qsl(parts.query) + [("passfile", str(passfile))]
+        url = urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query)))
+    return open_database(url, schema=user)
+
+
+def open_shared_database(config: SharedConfig, root: Path, user: str, **options):
+    """The database a shared store keeps ``user``'s records in, beside its
+    catalog ("agent": the agent records; "langgraph": the LangGraph
+    checkpoints): a schema of its own in the catalog's PostgreSQL database,
+    or a SQLite file of its own beside the catalog's (``CATALOG-USER.sqlite``,
+    made private if missing). ``options`` are SQLite's (``connect``)."""
     if is_url(config.catalog):
-        from blockdiff.db import open_database
-        passfile = root / PASSFILE
-        return open_database(config.catalog,
-                             **({"passfile": str(passfile)} if passfile.exists() else {}))
+        return _open_url(config.catalog, root, user)
     from blockdiff.db import connect
-    return connect(config.catalog, create="never", **options)
+    catalog = Path(config.catalog)
+    return connect(catalog.with_name(f"{catalog.stem}-{user}.sqlite"), **options)
 
 
 def new_host_name(root: Path) -> str:
