@@ -675,15 +675,16 @@ def test_agent_records_round_trip_sealed_and_in_the_clear(xfs, postgres_url):
     with Store.init(xfs / "store") as store:
         for codec, thread in ((Codec(None), "plain"), (Codec(key), "sealed")):
             with AgentDB(store, codec, db=open_database(postgres_url, schema="agent")) as db:
-                assert db.acquire(thread, "me:1:1", 60, binding=None, create=True) == "new"
+                status, owner = db.acquire(thread, "me:1:1", 60, binding=None, create=True)
+                assert status == "new" and owner == "me:1:1/1"   # the lease's fencing token
                 written = (codec.serialise({"s": 1}), codec.serialise([{"m": thread}]))
                 checkpoint_id = os.urandom(8).hex()
-                db.record_checkpoint(checkpoint_id, thread, "me:1:1", parent=None,
+                db.record_checkpoint(checkpoint_id, thread, owner, parent=None,
                                      reason="start", written=written,
                                      content_hash=codec.content_hash(*written),
                                      disk_snapshot=None, meta={"note": thread}, ttl=None,
                                      lease=60)
-                db.record_intent("r-" + thread, thread, "me:1:1", base=checkpoint_id,
+                db.record_intent("r-" + thread, thread, owner, base=checkpoint_id,
                                  position=0, tool="charge", args=b"\x00args", compensable=True,
                                  external=True)
                 db.record_result("r-" + thread, "done", b"\x00result")
@@ -693,7 +694,7 @@ def test_agent_records_round_trip_sealed_and_in_the_clear(xfs, postgres_url):
                 [entry] = db.journal(thread)
                 assert entry.compensable is True and entry.status == "done"
                 assert db.call("r-" + thread).result == b"\x00result"
-                db.release(thread, "me:1:1")
+                db.release(thread, owner)
         # Without the key a sealed checkpoint's meta is unknown, as on SQLite.
         with AgentDB(store, None, db=open_database(postgres_url, schema="agent")) as db:
             [sealed] = db.history("sealed")

@@ -18,6 +18,7 @@ from pathlib import Path
 import filesystems
 import numpy as np
 import objectstore
+import postgres
 import pytest
 from objectstore import point_boto3_at, running_seaweedfs
 
@@ -29,6 +30,7 @@ from blockdiff.store.remote import layer_key
 from blockdiff.store.views import view_path
 
 seaweedfs, s3_env = objectstore.seaweedfs, objectstore.s3_env
+postgres_server, postgres_url = postgres.postgres_server, postgres.postgres_url
 
 MiB = 1 << 20
 IMAGE = 64 * MiB
@@ -53,10 +55,13 @@ def host_b_dir(second_xfs, request):
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture
-def catalog(tmp_path):
-    """Where the hosts' shared catalog is."""
-    return str(tmp_path / "shared-catalog.sqlite")
+@pytest.fixture(params=["postgresql", "sqlite"])
+def catalog(request, tmp_path):
+    """Where the hosts' shared catalog is: a database of a real PostgreSQL
+    server, or a SQLite file (store directories on one machine)."""
+    if request.param == "sqlite":
+        return str(tmp_path / "shared-catalog.sqlite")
+    return request.getfixturevalue("postgres_url")
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from test_agent_example import (
     check_consistent,
     describe,
 )
-from test_shared import second_xfs  # noqa: F401  (a fixture)
+from test_shared import catalog, postgres_server, postgres_url, second_xfs  # noqa: F401
 
 from blockdiff.agent.agent import Agent, AgentDB, ApprovalPending
 from blockdiff.agent.disks import ImageDisk
@@ -40,9 +40,8 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for loop m
 
 
 @pytest.fixture
-def two_hosts(xfs, second_xfs, tmp_path, s3_env):  # noqa: F811
+def two_hosts(xfs, second_xfs, catalog, s3_env):  # noqa: F811
     """Host A's and host B's example environments, one charge service."""
-    catalog = str(tmp_path / "shared-catalog.sqlite")
     remote = f"s3://{s3_env.bucket}/{uuid.uuid4().hex}"
     b_root = second_xfs / f"b-{uuid.uuid4().hex[:8]}"
     b_root.mkdir()
@@ -79,6 +78,7 @@ def run_to_end(env: Env, max_runs: int = 4):
     pytest.fail("not done after several runs")
 
 
+@pytest.mark.parametrize("catalog", ["postgresql"], indirect=True)
 @pytest.mark.parametrize("phase,point,n", CRASHES, ids=[f"{p}-{pt}:{n}" for p, pt, n in CRASHES])
 def test_killed_on_one_host_finished_on_another(two_hosts, phase, point, n):
     a, b = two_hosts
@@ -121,8 +121,7 @@ def test_a_paused_host_is_fenced_off_when_another_took_over(two_hosts):
 
 
 def test_an_approval_decided_on_another_host_wakes_the_waiting_agent(xfs, second_xfs,  # noqa: F811
-                                                                     tmp_path, s3_env):
-    catalog = str(tmp_path / "shared-catalog.sqlite")
+                                                                     catalog, s3_env):  # noqa: F811
     remote = f"s3://{s3_env.bucket}/{uuid.uuid4().hex}"
     b_root = second_xfs / f"b-{uuid.uuid4().hex[:8]}"
     b_root.mkdir()
