@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -113,6 +114,19 @@ def commit_line(store: Store, image: Path, keep: Path, rng, count: int, **option
         shutil.copyfile(image, keep / snap.id)
         ids.append(snap.id)
     return ids
+
+
+def once_back(operation, seconds: float = 60.0):
+    """``operation()``, retried while a restarted object store still answers
+    "retry later" (SeaweedFS takes a moment to bring its volumes back)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return operation()
+        except RemoteError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def layer_bytes(store: Store, snapshot_ids) -> int:
@@ -349,7 +363,7 @@ def test_commit_survives_the_object_store_going_away_and_pushes_later(
         copy = tmp_path / "copy"
         shutil.copyfile(image, copy)
         server.start()
-        a.push()
+        once_back(a.push)
         b.restore(sid, host_b_dir / "x.img")
         assert filecmp.cmp(host_b_dir / "x.img", copy, shallow=False)
         a.close()
@@ -384,3 +398,91 @@ def test_joining_checks_the_object_store_and_refuses_mismatches(
         config = (b.root / "shared.json").read_text()
         assert s3_env.secret_key not in config
         assert os.stat(b.root / "shared.json").st_mode & 0o077 == 0
+
+
+def test_the_object_store_killed_during_a_fetch_leaves_nothing_and_a_retry_works(
+        xfs, host_b_dir, catalog, tmp_path, monkeypatch):
+    objectstore._require_seaweedfs()
+    with running_seaweedfs(tmp_path / "weed") as server:
+        point_boto3_at(server, monkeypatch, tmp_path)
+        monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+        a = Store.init(xfs / "store", catalog=catalog, remote=f"s3://{server.bucket}/x")
+        b = Store.init(host_b_dir / "store", catalog=catalog)
+        keep = tmp_path / "keep"
+        keep.mkdir()
+        rng = np.random.default_rng(9)
+        image = xfs / "disk.img"
+        new_image(image, rng)
+        sid = commit_line(a, image, keep, rng, 1)[-1]
+        real_pwrite = os.pwrite
+
+        def pwrite_then_kill(fd, data, offset):
+            server.kill()
+            return real_pwrite(fd, data, offset)
+
+        monkeypatch.setattr(os, "pwrite", pwrite_then_kill)
+        with pytest.raises(RemoteError) as caught:
+            b.restore(sid, host_b_dir / "x.img")
+        monkeypatch.setattr(os, "pwrite", real_pwrite)
+        assert "\n" not in str(caught.value)
+        assert not (host_b_dir / "x.img").exists()
+        assert list(b.objects.iterdir()) == [b.map_path(b.get(sid))]   # the map had landed
+        assert list(b.staging.iterdir()) == []
+        server.start()
+        once_back(lambda: b.restore(sid, host_b_dir / "x.img"))
+        assert filecmp.cmp(host_b_dir / "x.img", keep / sid, shallow=False)
+        assert b.verify() == {}
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("catalog", ["postgresql"], indirect=True)
+def test_postgresql_restarted_between_commits_loses_nothing(hosts, xfs, host_b_dir, tmp_path,
+                                                            postgres_server):
+    a, b = hosts
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    rng = np.random.default_rng(10)
+    image = xfs / "disk.img"
+    new_image(image, rng)
+    before = commit_line(a, image, keep, rng, 2)
+    postgres_server.restart()
+    after = commit_line(a, image, keep, rng, 2)      # reconnects
+    postgres_server.restart()
+    assert [s.id for s in b.log()][:4] == list(reversed(before + after))
+    for sid in before + after:
+        b.restore(sid, host_b_dir / f"x-{sid}")
+        assert filecmp.cmp(host_b_dir / f"x-{sid}", keep / sid, shallow=False)
+
+
+def test_an_unreachable_or_newer_catalog_is_one_clear_line(xfs, tmp_path, bucket_url,
+                                                           postgres_server, postgres_url):
+    from postgres import free_port
+    dead = f"postgresql://postgres@127.0.0.1:{free_port()}/nothing"
+    done = cli("init", xfs / "a", "--catalog", dead, "--remote", bucket_url, check=False)
+    assert done.returncode == 13 and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "127.0.0.1" in done.stderr
+    assert not (xfs / "a").exists()
+    # A password in the URL is kept out of the configuration, the output and errors.
+    secret = postgres_server.password
+    url = postgres_server.url(postgres_url.rsplit("/", 1)[1], user=postgres.PASSWORD_ROLE,
+                              password=secret)
+    admin = postgres_server.admin()
+    try:
+        database = postgres_url.rsplit("/", 1)[1]
+        admin.execute(f'GRANT ALL ON DATABASE "{database}" TO {postgres.PASSWORD_ROLE}')
+    finally:
+        admin.close()
+    done = cli("init", xfs / "a", "--catalog", url, "--remote", bucket_url)
+    assert secret not in done.stdout + done.stderr
+    assert secret not in (xfs / "a" / "shared.json").read_text()
+    assert os.stat(xfs / "a" / "catalog.pgpass").st_mode & 0o077 == 0
+    listed = cli("log", "--store", xfs / "a")            # the passfile lets it in again
+    assert listed.returncode == 0 and secret not in listed.stdout + listed.stderr
+    # A catalog written by a newer blockdiff is refused, and nothing changes.
+    import psycopg
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute("UPDATE catalog.schema_versions SET version = 99 WHERE name = 'catalog'")
+    done = cli("log", "--store", xfs / "a", check=False)
+    assert done.returncode == 13 and "newer blockdiff" in done.stderr
+    assert "Traceback" not in done.stderr
