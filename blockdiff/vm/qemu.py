@@ -177,6 +177,8 @@ class QMP:
                 chunk = self.sock.recv(65536)
             except TimeoutError:
                 raise VMError("QEMU did not answer on its control socket") from None
+            except OSError:
+                chunk = b""
             if not chunk:
                 raise VMError("QEMU closed its control socket")
             self._buf += chunk
@@ -187,14 +189,20 @@ class QMP:
         """Hand QEMU a file descriptor (``getfd``), to be named ``fdname`` in
         later commands."""
         message = json.dumps({"execute": "getfd", "arguments": {"fdname": fdname}})
-        socket.send_fds(self.sock, [message.encode() + b"\n"], [fd])
+        try:
+            socket.send_fds(self.sock, [message.encode() + b"\n"], [fd])
+        except OSError:
+            raise VMError("QEMU closed its control socket") from None
         self._reply("getfd")
 
     def command(self, name: str, /, **arguments) -> dict:
         """Run one command; returns what QEMU returned (VMError if it refused)."""
         # Positional-only: QMP arguments may themselves be called "name".
         message = {"execute": name} | ({"arguments": arguments} if arguments else {})
-        self.sock.sendall(json.dumps(message).encode() + b"\n")
+        try:
+            self.sock.sendall(json.dumps(message).encode() + b"\n")
+        except OSError:   # QEMU gone (a broken pipe, a reset connection)
+            raise VMError("QEMU closed its control socket") from None
         return self._reply(name)
 
     def _reply(self, name: str) -> dict:
