@@ -103,7 +103,7 @@ class Pause:
     written: Written | None = None   # the guest's writes since the previous pause
     mark: str | None = None          # set by the caller: the disk's lineage mark on resuming
     seconds: float = 0.0             # how long the VM was stopped, once it runs again
-    memory: Path | None = None       # the memory image, its device state saved (paused(memory=True))
+    memory: Path | None = None       # with memory=True: the memory image, device state saved
     device_state: int = 0            # bytes of device state behind the RAM
     saving: float = 0.0              # seconds the device state took to save
 
@@ -244,7 +244,9 @@ class Machine:
         (self.directory / ACCEL_FILE).write_text(accel + "\n")
         self.last_launch = {"qemu": time.monotonic() - began}
         if incoming:
-            return self._resume_incoming(timeout, mark, warming)
+            steps.begin("resuming from the checkpoint")
+            self._resume_incoming(timeout, mark, warming)
+            return steps.end()
         deadline = time.monotonic() + timeout
         steps.begin(f"booting: waiting for the guest daemon ({accel})")
         try:

@@ -259,7 +259,31 @@ class Sandbox:
                                     mark=self.store.lineage_mark(self.disk))
                 marker.unlink()
             else:
-                self.machine.launch(timeout, progress, memory=self.memory_checkpoints)
+                self._boot(timeout, progress)
+
+    def _boot(self, timeout: float, progress: Progress = NO_PROGRESS) -> None:
+        """Boot QEMU; with memory checkpoints, its RAM as the memory image,
+        committed once booted as the base the first checkpoint's memory is
+        a delta on."""
+        memory = self.memory_checkpoints
+        self.machine.launch(timeout, progress, memory=memory)
+        if memory:
+            self._commit_memory_base()
+
+    def _commit_memory_base(self) -> None:
+        """Commit the RAM a boot wrote (100 MiB or more), paused, as a
+        snapshot no checkpoint is (it has no device state): the first
+        checkpoint then stores, and pauses the VM for, only what its step
+        changed, as the disk's root snapshot does for the disk."""
+        with self.machine.qmp():
+            self.machine.pause()
+            try:
+                self.store.commit(self.machine.memory_image,
+                                  message=f"memory of VM {self.name} after its boot",
+                                  meta={"vm": self.name, "vm.kernel": self.config["kernel"],
+                                        PART_KEY: "memory-base"})
+            finally:
+                self.machine.resume()
 
     def stop(self, *, timeout: float = 20.0) -> None:
         """Shut the guest down cleanly (its disk unmounted); QEMU is killed if
@@ -462,7 +486,7 @@ class Sandbox:
                 if swapped is None:
                     self._kill()
                     self.store.restore(snap.id, self.disk)
-                    self.machine.launch(timeout, memory=self.memory_checkpoints)
+                    self._boot(timeout)
                     rebooted = True
                 else:
                     tracked = swapped
