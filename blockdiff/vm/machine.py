@@ -451,6 +451,16 @@ class Machine:
                 with contextlib.suppress(VMError), self.qmp() as q:
                     drop_dirty_bitmaps(q, keep=generation.bitmap)
 
+    def stop_for_good(self, mark: str | None) -> Written | None:
+        """Stop the guest's CPUs for a QEMU about to be killed, and return what
+        the guest wrote to its disk since the disk's lineage mark was
+        ``mark`` (as :meth:`paused` would; None if that is not known), so
+        that restoring the disk afterwards need not map it whole."""
+        with self.qmp():
+            self.pause()
+            _, written = self._next_generation(mark)
+        return written
+
     def _next_generation(self, mark: str | None) -> tuple[Generation | None, Written | None]:
         """With the VM paused: a new bitmap takes over. Returns its generation
         (None without tracking) and what the old bitmap says was written, if
