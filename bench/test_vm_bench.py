@@ -20,7 +20,8 @@ def test_end_to_end_tiny_run(tmp_path, capsys, scratch_xfs_possible):
         pytest.skip("QEMU is not installed (bash .ci/setup installs it)")
     out = tmp_path / "out.json"
     assert vm_bench.main(["--steps", "12", "--disk-mib", "128", "--pool-mib", "16",
-                          "--json", str(out), "--workdir", str(tmp_path / "work")]) == 0
+                          "--memory-steps", "6", "--json", str(out),
+                          "--workdir", str(tmp_path / "work")]) == 0
     printed = capsys.readouterr().out
     assert "| checkpoint: VM paused |" in printed
     result = json.loads(out.read_text())
@@ -32,4 +33,11 @@ def test_end_to_end_tiny_run(tmp_path, capsys, scratch_xfs_possible):
     assert result["checkpoints_tracked"] == 11
     assert result["swaps_tracked"] == result["swaps"] == 20
     assert result["changed_bytes"] >= 12 * vm_bench.MiB
+    memory = result["memory"]
+    assert "| restore to running, processes back |" in printed
+    assert memory["paused"]["n"] == 6 and memory["fork"]["n"] == vm_bench.MEMORY_FORKS
+    assert memory["restore"]["n"] == 5
+    # A 100 MiB step stores about that much; a small one far less.
+    assert memory["big_stored"]["p50"] > 90 * vm_bench.MiB > memory["stored"]["p50"]
+    assert memory["qemu_saved_bytes"] > 100 * vm_bench.MiB
     assert not list((tmp_path / "work" / "scratch").iterdir())  # nothing left mounted

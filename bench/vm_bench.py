@@ -22,6 +22,21 @@ Rows:
   (stop QEMU, copy the disk back, boot);
 - fork to running: a new VM from a snapshot, booted.
 
+Those VMs checkpoint their disk only. A second VM, whose checkpoints hold
+the whole VM (RAM and device state with the disk, the default), then runs
+``--memory-steps`` small steps (20) with a process counting in the
+background, and the rows for whole-VM checkpoints are, side by side with a
+cold boot, QEMU's own full-RAM save and restore (``migrate`` of the RAM to
+a file, ``-incoming`` from it) and the disk-only checkpoint:
+- pause per checkpoint with memory: a small step, and a step that dirties
+  100 MiB of guest RAM (a tmpfs file);
+- RAM bytes stored per step (the memory snapshot's changed bytes, with the
+  device state), with and without the 4 KiB page-cache warm-up that
+  counters QEMU's MADV_HUGEPAGE;
+- restore to running with the processes (QEMU killed, disk and memory
+  restored, resumed), at a random earlier step;
+- fork to running: a new VM resumed from a checkpoint.
+
 Checkpoints and swap restores read QEMU's dirty bitmap (all but the first
 checkpoint after a boot); the report says how many did.
 
@@ -102,8 +117,20 @@ def run(args) -> dict:
         fill_pool(base, args.pool_mib, args.seed, work)
         os.sync()  # the pool on disk, not in the page cache, as an installed system is
         store = Store.init(mnt / "store")
+        if args.memory_only:
+            try:
+                memory = run_memory(args, store, base, image, args.pool_mib * MiB // 4096, rnd,
+                                    work)
+            finally:
+                for b in Sandbox.list(store):
+                    b._kill()
+                store.close()
+            return {"machine": {"host": platform.node(), "kernel": platform.release(),
+                                "cpus": os.cpu_count()},
+                    "config": {"disk_mib": args.disk_mib, "pool_mib": args.pool_mib},
+                    "memory": memory}
         start = time.monotonic()
-        box = Sandbox.create(store, "bench", image=base, kernel=image.directory)
+        box = Sandbox.create(store, "bench", image=base, kernel=image.directory, memory=False)
         create_seconds = time.monotonic() - start
         root_id = store.lineage(box.disk)[0]
         try:
@@ -161,6 +188,9 @@ def run(args) -> dict:
                 fork.append(time.monotonic() - start)
                 other.destroy()
             changed = sum(s.changed_bytes for s in store.log(copy_step) if s.id != root_id)
+            disk_pause = stats(pause)
+            box._kill()
+            memory = run_memory(args, store, base, image, pool_blocks, rnd, work)
         finally:
             for b in Sandbox.list(store):
                 b._kill()
@@ -182,7 +212,144 @@ def run(args) -> dict:
         "fork": stats(fork),
         "create_seconds": create_seconds,
         "changed_bytes": changed,
+        "disk_only_paused": disk_pause,
+        "memory": memory,
     }
+
+
+MEMORY_FORKS = 5
+DIRTY_MIB = 100
+BIG_STEPS = 3
+COUNTER = ("(i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done) "
+           ">/dev/null 2>&1 & echo $!")
+
+
+def run_memory(args, store: Store, base: Path, image, pool_blocks: int, rnd: random.Random,
+               work: Path) -> dict:
+    """The whole-VM rows (see the module's docstring)."""
+    from blockdiff.vm import machine as machine_module
+
+    box = Sandbox.create(store, "whole", image=base, kernel=image.directory)
+    cold = []
+    for _ in range(REBOOT_SAMPLES):
+        box._kill()
+        start = time.monotonic()
+        box.start()
+        until_running(box)
+        cold.append(time.monotonic() - start)
+    pid = int(box.exec(COUNTER).stdout)
+    assert box.exec("mkdir -p /mnt/ram && mount -t tmpfs -o size=160m tmpfs /mnt/ram").status == 0
+    pause, total, stored, ids = [], [], [], []
+    for k in range(args.memory_steps):
+        assert box.exec(step_command(k, pool_blocks, rnd)).status == 0
+        ids.append(box.checkpoint(f"whole step {k}"))
+        assert box.last_checkpoint.memory
+        pause.append(box.last_checkpoint.paused)
+        total.append(box.last_checkpoint.total)
+        stored.append(box.last_checkpoint.memory_bytes)
+    big_pause, big_stored = [], []
+    for k in range(BIG_STEPS):
+        assert box.exec(f"head -c {DIRTY_MIB * MiB} /dev/urandom > /mnt/ram/blob").status == 0
+        box.checkpoint(f"dirtied {DIRTY_MIB} MiB")
+        big_pause.append(box.last_checkpoint.paused)
+        big_stored.append(box.last_checkpoint.memory_bytes)
+    assert box.exec("rm -f /mnt/ram/blob").status == 0
+    disk_only = []
+    for k in range(UNDO_SAMPLES):
+        assert box.exec(step_command(1000 + k, pool_blocks, rnd)).status == 0
+        box.checkpoint("disk only", memory=False)
+        disk_only.append(box.last_checkpoint.paused)
+    restore, phases = [], []
+    for k in rnd.sample(range(1, args.memory_steps), min(RESTORE_SAMPLES, args.memory_steps - 1)):
+        start = time.monotonic()
+        timing = box.restore(ids[k])
+        until_running(box)
+        restore.append(time.monotonic() - start)
+        phases.append(box.last_restore_phases | box.machine.last_launch)
+        assert timing.memory and box.exec(f"kill -0 {pid}").status == 0
+        assert box.exec("cat /data/last").stdout == f"{k}\n".encode()
+    fork = []
+    for i, k in enumerate(rnd.sample(range(args.memory_steps), MEMORY_FORKS)):
+        start = time.monotonic()
+        other = box.fork(ids[k], f"whole-fork{i}")
+        until_running(other)
+        fork.append(time.monotonic() - start)
+        assert other.exec(f"kill -0 {pid}").status == 0
+        other.destroy()
+    qemu_save, qemu_restore, saved_bytes = full_ram_save_restore(store, base, image, work)
+    # The same small steps on a VM whose page cache is not warmed in 4 KiB
+    # pages: QEMU's MADV_HUGEPAGE makes them 2 MiB folios.
+    real_warm = machine_module.warm_page_cache
+    machine_module.warm_page_cache = lambda fd, length: None
+    try:
+        cold_cache = Sandbox.create(store, "unwarmed", image=base, kernel=image.directory)
+        cold_cache.start()
+        unwarmed = []
+        for k in range(6):
+            assert cold_cache.exec(step_command(2000 + k, pool_blocks, rnd)).status == 0
+            cold_cache.checkpoint("unwarmed")
+            unwarmed.append(cold_cache.last_checkpoint.memory_bytes)
+        cold_cache.destroy()
+    finally:
+        machine_module.warm_page_cache = real_warm
+    box.destroy()
+    return {"memory_mb": box.vm.memory_mb, "steps": args.memory_steps,
+            "cold_boot": stats(cold), "paused": stats(pause) | {"samples": pause},
+            "total": stats(total), "stored": stats(stored[1:]) | {"first": stored[0]},
+            "dirty_mib": DIRTY_MIB, "big_paused": stats(big_pause),
+            "big_stored": stats(big_stored), "disk_only_paused": stats(disk_only),
+            "restore": stats(restore), "restore_phases": phases, "fork": stats(fork),
+            "qemu_save_paused": stats(qemu_save), "qemu_restore": stats(qemu_restore),
+            "qemu_saved_bytes": saved_bytes, "unwarmed_stored": stats(unwarmed[1:])}
+
+
+def full_ram_save_restore(store: Store, base: Path, image, work: Path):
+    """QEMU's own way: the whole RAM migrated to a file while paused, and a
+    new QEMU started with -incoming from it. On a VM with anonymous RAM."""
+    from blockdiff.vm.machine import wait_for_migration
+    from blockdiff.vm.qemu import Launch
+
+    box = Sandbox.create(store, "full-ram", image=base, kernel=image.directory, memory=False)
+    box.start()
+    assert box.exec(COUNTER).status == 0
+    saved = box.directory / "full-ram.state"
+    pauses, restores = [], []
+    try:
+        for _ in range(REBOOT_SAMPLES):
+            with box.machine.qmp() as q:
+                q.command("stop")
+                start = time.monotonic()
+                fd = os.open(saved, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+                try:
+                    q.pass_fd("full", fd)
+                    q.command("migrate", uri="fd:full")
+                    wait_for_migration(q, 120, "saving the whole VM")
+                    os.fsync(fd)   # durable, as a store commit is
+                finally:
+                    os.close(fd)
+                q.command("cont")
+                pauses.append(time.monotonic() - start)
+            start = time.monotonic()
+            box.machine.kill()
+            vm = box.vm
+            Launch(vm.name, vm.directory, vm.kernel_dir / "vmlinuz", vm.kernel_dir / "initrd.img",
+                   vm.disk, vm.memory_mb, vm.cpus, box.machine.accel or "tcg",
+                   incoming=True).start()
+            with box.machine.qmp() as q:
+                fd = os.open(saved, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    q.pass_fd("full", fd)
+                finally:
+                    os.close(fd)
+                q.command("migrate-incoming", uri="fd:full")
+                wait_for_migration(q, 120, "loading the whole VM")
+                q.command("cont")
+            until_running(box)
+            restores.append(time.monotonic() - start)
+        size = os.path.getsize(saved)
+    finally:
+        box.destroy()
+    return pauses, restores, size
 
 
 def copy_file(src: Path, dst: Path) -> None:
@@ -213,6 +380,9 @@ def full_copy_pause(box: Sandbox, out: Path) -> float:
 
 
 def table(r: dict) -> str:
+    if "checkpoint_paused" not in r:
+        return memory_table(r)
+
     def ms(s: float | None) -> str:
         if s is None:
             return "–"
@@ -243,6 +413,45 @@ def table(r: dict) -> str:
                f"snapshot, before it runs) took {ms(r['create_seconds'])}. QEMU's dirty bitmap "
                f"said what to map in {r['checkpoints_tracked']} of {c['steps']} checkpoints "
                f"and {r['swaps_tracked']} of {r['swaps']} swap restores.")
+    if "memory" in r:
+        out.append("")
+        out.append(memory_table(r))
+    return "\n".join(out)
+
+
+def memory_table(r: dict) -> str:
+    """The whole-VM rows, against a cold boot, QEMU's full-RAM save/restore
+    and the disk-only checkpoint."""
+    m = r["memory"]
+
+    def ms(s: float) -> str:
+        return f"{s * 1000:.0f} ms" if s < 10 else f"{s:.1f} s"
+
+    def mib(b: float) -> str:
+        return f"{b / MiB:.1f} MiB"
+
+    cold, save, load = m["cold_boot"]["p50"], m["qemu_save_paused"]["p50"], m["qemu_restore"]["p50"]
+    disk = m["disk_only_paused"]["p50"]   # on the same VM, between its whole-VM steps
+    out = ["| whole-VM checkpoint | p50 | p99 | against |", "|---|---|---|---|",
+           f"| pause, small step | {ms(m['paused']['p50'])} | "
+           f"{ms(m['paused']['p99']) if m['paused']['p99'] else '–'} | "
+           f"{m['paused']['p50'] / disk:.1f}× the disk-only pause ({ms(disk)}); "
+           f"{m['paused']['p50'] / save:.2f}× QEMU's full-RAM save ({ms(save)}) |",
+           f"| pause, a step that dirtied {m['dirty_mib']} MiB | "
+           f"{ms(m['big_paused']['p50'])} | – | "
+           f"{m['big_paused']['p50'] / save:.2f}× QEMU's full-RAM save |",
+           f"| restore to running, processes back | {ms(m['restore']['p50'])} | "
+           f"{ms(m['restore']['p99']) if m['restore']['p99'] else '–'} | "
+           f"{m['restore']['p50'] / cold:.2f}× a cold boot ({ms(cold)}); "
+           f"{m['restore']['p50'] / load:.2f}× QEMU's full-RAM restore ({ms(load)}) |",
+           f"| fork to running, processes back | {ms(m['fork']['p50'])} | – | "
+           f"{m['fork']['p50'] / cold:.2f}× a cold boot |",
+           f"| stored per small step (RAM + device state) | {mib(m['stored']['p50'])} | – | "
+           f"QEMU's full-RAM save: {mib(m['qemu_saved_bytes'])}; without the 4 KiB warm-up: "
+           f"{mib(m['unwarmed_stored']['p50'])} |",
+           f"| stored per {m['dirty_mib']} MiB step | {mib(m['big_stored']['p50'])} | – | |",
+           f"\n{m['memory_mb']} MiB of guest RAM, {m['steps']} small steps with a process "
+           f"running; the first checkpoint after the boot stored {mib(m['stored']['first'])}."]
     return "\n".join(out)
 
 
@@ -251,6 +460,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--disk-mib", type=int, default=4096)
     ap.add_argument("--pool-mib", type=int, default=1024)
+    ap.add_argument("--memory-steps", type=int, default=20,
+                    help="small steps of the whole-VM part (20)")
+    ap.add_argument("--memory-only", action="store_true",
+                    help="run the whole-VM part alone (its rows only)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     ap.add_argument("--plot", metavar="OUT", type=Path,
@@ -260,6 +473,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 2 or args.pool_mib < 1 or args.pool_mib * 2 > args.disk_mib:
         ap.error("need at least 2 steps and a pool of at most half the disk")
+    if args.memory_steps < MEMORY_FORKS + 1:
+        ap.error(f"need at least {MEMORY_FORKS + 1} memory steps")
     if os.geteuid() != 0:
         sys.exit("bench/vm_bench.py: needs root (loop mounts)")
     results = run(args)

@@ -32,8 +32,8 @@ to run, which the README writes as it came out once:
   is put in);
 - ``HEX…`` (8 or more hex digits then an ellipsis) is a longer hex id cut
   short, bound the same way; any other ``…`` is elided text;
-- timings (``N ms``), dates and times, pids, and a VM image ``built`` or
-  ``up to date``.
+- timings (``N ms``), sizes (``N MiB``), dates and times, pids, and a VM
+  image ``built`` or ``up to date``.
 
 A command's exit status must be 0, or N where its comment says ``exit N``.
 """
@@ -149,6 +149,7 @@ _TOKEN = re.compile(
     r"|(?P<ellipsis>…)"
     r"|(?P<id>(?<![0-9a-zA-Z])(?:[0-9a-f]{32}|[0-9a-f]{16})(?![0-9a-zA-Z]))"
     r"|(?P<ms>\d+(?:\.\d+)? ms\b)"
+    r"|(?P<mib>\d+(?:\.\d+)? MiB\b)"
     r"|(?P<when>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)"
     r"|(?P<pid>\(pid \d+\))"
     r"|(?P<built>: built \()")
@@ -177,6 +178,8 @@ class Bindings:
                 parts.append(".*?")
             elif kind == "ms":
                 parts.append(r"\d+(?:\.\d+)? ms")
+            elif kind == "mib":
+                parts.append(r"\d+(?:\.\d+)? MiB")
             elif kind == "when":
                 parts.append(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
             elif kind == "pid":

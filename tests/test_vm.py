@@ -1,7 +1,8 @@
 """Sandbox VMs: real QEMU guests (TCG where KVM does not work) on a real XFS store.
 
 Every guest here boots the image ``blockdiff vm build-image`` makes; the image
-is built once per machine into a cache directory. Every restore is checked
+is built once per machine into a cache directory. The checkpoints here hold
+the disk alone; those that hold the whole VM are tests/test_vm_memory.py's. Every restore is checked
 twice: inside the guest (the files are exactly those of the step) and on the
 host (the disk is byte-identical to the snapshot, fork by fork).
 """
@@ -59,7 +60,9 @@ def store(xfs):
 
 @pytest.fixture
 def box(store, vm_image):
-    with Sandbox.create(store, "box", image=vm_image.rootfs) as sandbox:
+    # Disk-only checkpoints: what this module tests. Whole-VM checkpoints
+    # (the default) are tests/test_vm_memory.py's.
+    with Sandbox.create(store, "box", image=vm_image.rootfs, memory=False) as sandbox:
         sandbox.start()
         yield sandbox
 
@@ -180,7 +183,8 @@ def test_restore_to_a_disk_of_another_size_reboots(store, box, vm_image, xfs):
     bigger = xfs / "bigger.img"
     shutil.copyfile(vm_image.rootfs, bigger)
     os.truncate(bigger, os.path.getsize(bigger) + (64 << 20))
-    with Sandbox.create(store, "big", image=bigger, kernel=vm_image.directory) as big:
+    with Sandbox.create(store, "big", image=bigger, kernel=vm_image.directory,
+                        memory=False) as big:
         big.start()
         step(big, 7)
         expected = listing(big)

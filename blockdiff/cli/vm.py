@@ -83,20 +83,29 @@ def vm_build_image(directory, kernel_package, kernel_image, modules, disk_size, 
                    "or the kernel the snapshot was taken with).")
 @click.option("--memory", default=256, show_default=True, help="Memory in MiB.")
 @click.option("--cpus", default=1, show_default=True)
-def vm_create(name, store_path, image, snapshot_id, kernel, memory, cpus):
+@click.option("--disk-only", is_flag=True,
+              help="Checkpoints hold the disk only (by default they hold RAM and device "
+                   "state too, so a restore or fork brings the processes back).")
+def vm_create(name, store_path, image, snapshot_id, kernel, memory, cpus, disk_only):
     """Make sandbox VM NAME (stopped) from a raw image or a snapshot.
+
+    On a store on a reflink filesystem, its checkpoints hold the whole VM:
+    disk, RAM and device state.
 
     \b
     Example:
       blockdiff vm create box --store S --image vm/rootfs.img
       blockdiff vm create box2 --store S --from 3f2a9c0d1e2b4a5c
+      blockdiff vm create files --store S --image vm/rootfs.img --disk-only
     """
     from blockdiff.vm.sandbox import Sandbox
 
     with progress_bar("vm create") as progress:
-        Sandbox.create(open_store(store_path), name, image=image, snapshot=snapshot_id,
-                       kernel=kernel, memory_mb=memory, cpus=cpus, progress=progress)
-    click.echo(f"created VM {name}")
+        box = Sandbox.create(open_store(store_path), name, image=image, snapshot=snapshot_id,
+                             kernel=kernel, memory_mb=memory, cpus=cpus,
+                             memory=False if disk_only else None, progress=progress)
+    kind = "whole-VM" if box.memory_checkpoints else "disk-only"
+    click.echo(f"created VM {name} ({kind} checkpoints)")
 
 
 @vm.command("start")
@@ -148,9 +157,15 @@ def vm_exec(name, command, store_path, timeout, pass_stdin, cwd):
 @message_option
 @meta_option
 @ttl_option
+@click.option("--disk-only", is_flag=True,
+              help="Snapshot the disk alone, not the VM's memory.")
 @json_option
-def vm_snapshot(name, store_path, message, meta, ttl, as_json):
-    """Snapshot VM NAME's disk (pausing it briefly); print the id last.
+def vm_snapshot(name, store_path, message, meta, ttl, disk_only, as_json):
+    """Checkpoint VM NAME (pausing it briefly); print the id last.
+
+    A running VM created with memory checkpoints (the default) is
+    checkpointed whole: its disk, and its RAM and device state as a memory
+    snapshot that the disk snapshot's vm.memory names.
 
     \b
     Example:
@@ -159,13 +174,16 @@ def vm_snapshot(name, store_path, message, meta, ttl, as_json):
     import dataclasses
 
     box = _sandbox(store_path, name)
-    snapshot_id = box.checkpoint(message, meta, ttl=ttl)
+    snapshot_id = box.checkpoint(message, meta, ttl=ttl, memory=False if disk_only else None)
     t = box.last_checkpoint
     if as_json:
         return emit_json({"id": snapshot_id, "vm": name,
+                          "memory": box.store.get(snapshot_id).meta.get("vm.memory"),
                           "timing": None if t is None else dataclasses.asdict(t)})
     if t:
-        click.echo(f"paused {t.paused * 1000:.1f} ms (freeze {t.freeze * 1000:.1f} ms)")
+        what = (f", memory {t.memory_bytes / (1 << 20):.1f} MiB stored" if t.memory
+                else ", disk only")
+        click.echo(f"paused {t.paused * 1000:.1f} ms (freeze {t.freeze * 1000:.1f} ms{what})")
     click.echo(snapshot_id)
 
 
@@ -173,26 +191,33 @@ def vm_snapshot(name, store_path, message, meta, ttl, as_json):
 @click.argument("name")
 @click.argument("snapshot_id", metavar="ID")
 @store_option
+@click.option("--disk-only", is_flag=True,
+              help="Restore the files only: the VM's processes end and the disk is swapped "
+                   "under the running guest, even for a checkpoint with memory.")
 @json_option
-def vm_restore(name, snapshot_id, store_path, as_json):
-    """Put VM NAME's disk back to snapshot ID (a running VM keeps running).
+def vm_restore(name, snapshot_id, store_path, disk_only, as_json):
+    """Put VM NAME back to checkpoint ID.
 
-    A running VM's processes end and its disk is swapped under it, without a
-    reboot; a stopped VM stays stopped.
+    A checkpoint with memory brings the VM back running, with the processes
+    it had, whether it was running or stopped. Otherwise (or with
+    --disk-only) a running VM's processes end and its disk is swapped under
+    it, without a reboot; a stopped VM stays stopped.
 
     \b
     Example:
       blockdiff vm restore box 3f2a9c0d1e2b4a5c
+      blockdiff vm restore box 3f2a9c0d1e2b4a5c --disk-only
     """
     import dataclasses
 
     box = _sandbox(store_path, name)
     snapshot_id = box.store.resolve(snapshot_id)
-    result = box.restore(snapshot_id)
+    result = box.restore(snapshot_id, disk_only=disk_only)
     if as_json:
         return emit_json({"vm": name, "snapshot": snapshot_id, "running": box.running}
                          | dataclasses.asdict(result))
-    how = "rebooted" if result.rebooted else "running" if box.running else "stopped"
+    how = ("running, resumed with its processes" if result.memory else "rebooted" if result.rebooted
+           else "running" if box.running else "stopped")
     click.echo(f"VM {name} at {snapshot_id} ({how}, {result.seconds * 1000:.0f} ms)")
 
 
@@ -202,9 +227,14 @@ def vm_restore(name, snapshot_id, store_path, as_json):
 @click.argument("new_name", metavar="NEWNAME")
 @store_option
 @click.option("--no-start", is_flag=True, help="Leave the new VM stopped.")
+@click.option("--disk-only", is_flag=True,
+              help="Fork the files only and boot, even from a checkpoint with memory.")
 @json_option
-def vm_fork(name, snapshot_id, new_name, store_path, no_start, as_json):
-    """Make VM NEWNAME, like NAME, from snapshot ID, and start it.
+def vm_fork(name, snapshot_id, new_name, store_path, no_start, disk_only, as_json):
+    """Make VM NEWNAME, like NAME, from checkpoint ID, and start it.
+
+    From a checkpoint with memory, the new VM resumes running where the
+    checkpoint was taken (its processes included) instead of booting.
 
     \b
     Example:
@@ -213,10 +243,14 @@ def vm_fork(name, snapshot_id, new_name, store_path, no_start, as_json):
     box = _sandbox(store_path, name)
     snapshot_id = box.store.resolve(snapshot_id)
     with progress_bar("vm fork", as_json=as_json) as progress:
-        box.fork(snapshot_id, new_name, start=not no_start, progress=progress)
+        box.fork(snapshot_id, new_name, start=not no_start, disk_only=disk_only,
+                         progress=progress)
+    resumed = not disk_only and "vm.memory" in box.store.get(snapshot_id).meta
     if as_json:
-        return emit_json({"vm": new_name, "forked_from": snapshot_id, "running": not no_start})
-    click.echo(f"VM {new_name} forked from {snapshot_id}" + ("" if no_start else ", running"))
+        return emit_json({"vm": new_name, "forked_from": snapshot_id, "running": not no_start,
+                          "memory": resumed})
+    state = "" if no_start else (", resumed with its processes" if resumed else ", booted")
+    click.echo(f"VM {new_name} forked from {snapshot_id}{state}")
 
 
 @vm.command("stop")
@@ -251,7 +285,8 @@ def vm_rm(name, store_path):
 @store_option
 @json_option
 def vm_ls(store_path, as_json):
-    """List the store's VMs: state, accelerator, the snapshot each descends from.
+    """List the store's VMs: state, accelerator, whether their checkpoints hold
+    memory, and the snapshot each descends from (and whether it has memory).
 
     \b
     Example:
@@ -264,7 +299,10 @@ def vm_ls(store_path, as_json):
         return emit_records(statuses)
     for s in statuses:
         state = f"running (pid {s.pid}, {s.accel})" if s.running else "stopped"
-        click.echo(f"{printable(s.name):20} {state:28} {printable(s.snapshot)}")
+        kind = "whole-VM" if s.memory else "disk-only"
+        held = "" if s.snapshot is None else (" (with memory)" if s.snapshot_memory
+                                              else " (disk only)")
+        click.echo(f"{printable(s.name):20} {state:28} {kind:10} {printable(s.snapshot)}{held}")
 
 
 COMMANDS = (vm,)

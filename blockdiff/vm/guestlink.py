@@ -11,7 +11,14 @@ Payloads:
 - EXEC ``u32 timeout_ms | u32 argc | u32 stdin_len | u32 0 | argv\\0… | cwd\\0 | stdin``
   → ``i32 status | u32 flags | u32 stdout_len | u32 stderr_len | stdout | stderr``;
   status is the exit code, or 128 + signal; flags: 1 timed out, 2 output truncated.
-- FREEZE ``u32 auto_thaw_ms``, THAW, SYNC, SHUTDOWN → ``u32 errno``.
+- FREEZE ``u32 auto_thaw_ms | u32 flags``, THAW, SYNC, SHUTDOWN → ``u32 errno``;
+  flags: 1 also freeze every process the daemon started (a cgroup v2 freeze),
+  which THAW lets go again.
+- RESUME ``u64 realtime_ns | u32 entropy_len | u32 0 | entropy`` → ``u32 errno``:
+  the VM runs again from a memory checkpoint; the daemon sets the wall clock,
+  mixes the bytes into the kernel's entropy pool and reseeds it, then thaws
+  the disk and the processes, which therefore never run with the old clock
+  or the random-number state another VM resumed from the same checkpoint has.
 - DETACH (end every guest process, unmount the disk) and ATTACH (drop the
   guest's cached blocks of the disk, mount it again) → ``u32 errno``: the
   host rewrites the disk image between the two.
@@ -32,9 +39,13 @@ from blockdiff.errors import GuestError, GuestTimeout
 
 MAGIC = b"BDA1"
 HEADER = struct.Struct("<4sBBHII")
-PING, EXEC, FREEZE, THAW, SYNC, SHUTDOWN, DETACH, ATTACH = 1, 2, 3, 4, 5, 6, 7, 8
+PING, EXEC, FREEZE, THAW, SYNC, SHUTDOWN, DETACH, ATTACH, RESUME = 1, 2, 3, 4, 5, 6, 7, 8, 9
 REPLY, ERROR = 0x80, 0xFF
 TIMED_OUT, TRUNCATED = 1, 2
+FREEZE_PROCESSES = 1
+RESEED_BYTES = 64
+# The first daemon version that knows RESUME and FREEZE_PROCESSES.
+MEMORY_CHECKPOINT_VERSION = 2
 # How long past a command's own timeout the host waits for the guest's answer.
 ANSWER_GRACE = 5.0
 
@@ -174,15 +185,26 @@ class GuestLink:
         err = body[16 + n_out:16 + n_out + n_err]
         return ExecResult(status, out, err, bool(flags & TIMED_OUT), bool(flags & TRUNCATED))
 
-    def freeze(self, auto_thaw: float = 30.0, timeout: float = 30.0) -> None:
-        """Flush and freeze the guest's disk filesystem; it thaws by itself
-        after ``auto_thaw`` seconds if :meth:`thaw` never comes."""
-        self._status(FREEZE, struct.pack("<I", int(auto_thaw * 1000)), timeout,
+    def freeze(self, auto_thaw: float = 30.0, timeout: float = 30.0, *,
+               processes: bool = False) -> None:
+        """Flush and freeze the guest's disk filesystem (and, with
+        ``processes``, every process the daemon started); it all thaws by
+        itself after ``auto_thaw`` seconds if :meth:`thaw` never comes."""
+        flags = FREEZE_PROCESSES if processes else 0
+        self._status(FREEZE, struct.pack("<II", int(auto_thaw * 1000), flags), timeout,
                      "freezing the disk")
 
     def thaw(self, timeout: float = 30.0) -> None:
-        """Thaw the guest's disk filesystem."""
+        """Thaw the guest's disk filesystem and its processes."""
         self._status(THAW, b"", timeout, "thawing the disk")
+
+    def resume(self, timeout: float = 30.0) -> None:
+        """After the VM was started from a memory checkpoint: set the guest's
+        wall clock to the host's, reseed its random-number generator with
+        fresh host bytes, and let its disk and processes go."""
+        entropy = os.urandom(RESEED_BYTES)
+        payload = struct.pack("<QII", time.time_ns(), len(entropy), 0) + entropy
+        self._status(RESUME, payload, timeout, "resuming from the checkpoint")
 
     def sync(self, timeout: float = 60.0) -> None:
         """Have the guest write its dirty page cache of the disk out (``syncfs``)."""

@@ -12,7 +12,9 @@ tracks what the guest writes to its disk. The checkpoint protocol
 :meth:`Machine.resume`, :meth:`Machine.paused` (a pause that says which
 blocks the guest wrote since the previous one) and :meth:`Machine.disk_writes`,
 never a QMP command. A checkpoint of the VM's memory and devices belongs
-here too (see docs/vm.md, "Where a memory checkpoint goes").
+here too: guest RAM as a file beside the disk (``memory.img``), the
+device state migrated into the same file behind the RAM while the VM is
+paused, and a launch that resumes from such a file instead of booting.
 
 Dirty tracking: QEMU marks every block the guest writes or discards in a
 dirty bitmap. While the VM is paused, a new bitmap takes over and the old
@@ -28,6 +30,20 @@ Files in the VM's directory while QEMU runs::
     qemu.pid                          QEMU's pid
     dirty-tracking.json               the current dirty bitmap
     accel, console.log                kvm or tcg, the guest's console (both kept)
+    memory.img                        guest RAM, then the device state (kept)
+
+The memory image: its first ``memory_mb`` MiB are the guest's RAM, mapped
+shared by QEMU; the ``DEVICE_STATE_AREA`` after them holds the device state
+of the last checkpoint (QEMU's migration stream without RAM, about 400 KB),
+written by :meth:`Machine.paused` and read back by a launch with
+``incoming``. One file, so that one store snapshot holds both.
+
+The page cache must hold the RAM in 4 KiB folios: QEMU advises
+``MADV_HUGEPAGE`` on guest RAM, and a file mapped with that advice is read
+in 2 MiB folios, which are written back whole, so that a guest write of a
+few bytes would change 2 MiB of the file. Before QEMU maps the file, the
+launch has the kernel read it ahead (``POSIX_FADV_WILLNEED``), which fills
+the page cache with 4 KiB folios; QEMU's faults then find them there.
 """
 
 from __future__ import annotations
@@ -36,15 +52,17 @@ import contextlib
 import os
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from blockdiff.errors import BlockdiffError, GuestTimeout, VMError
+from blockdiff import native
+from blockdiff.errors import BlockdiffError, GuestError, GuestTimeout, VMError
 from blockdiff.progress import NO_PROGRESS, Progress, Steps
-from blockdiff.vm.guestlink import GuestLink, connect_unix
+from blockdiff.vm.guestlink import MEMORY_CHECKPOINT_VERSION, GuestLink, connect_unix
 from blockdiff.vm.nbd import dirty_ranges
 from blockdiff.vm.qemu import (
     CONSOLE_LOG,
@@ -63,7 +81,17 @@ DEFAULT_BOOT_TIMEOUT = 120.0
 NBD_SOCKET = "nbd.sock"
 ACCEL_FILE = "accel"
 BITMAP_PREFIX = "blockdiff-"
-RUNTIME_FILES = (QMP_SOCKET, GUEST_SOCKET, PID_FILE, NBD_SOCKET, TRACKING)
+GUESTD_VERSION = "guestd-version"   # what the guest daemon answered at boot
+RUNTIME_FILES = (QMP_SOCKET, GUEST_SOCKET, PID_FILE, NBD_SOCKET, TRACKING, GUESTD_VERSION)
+MEMORY_IMAGE = "memory.img"
+MiB = 1 << 20
+# Behind the RAM in the memory image, for the device state (sparse: only
+# what a checkpoint wrote takes space).
+DEVICE_STATE_AREA = 16 * MiB
+# One POSIX_FADV_WILLNEED reads ahead at most the device's readahead window
+# (128 KiB by default), so the memory image is warmed in steps of that.
+WARM_STEP = 128 << 10
+DEVICE_STATE_FD = "blockdiff-device-state"
 # ``(offsets, lengths)`` of the byte ranges the guest wrote, as the store takes them.
 Written = tuple[np.ndarray, np.ndarray]
 
@@ -75,7 +103,9 @@ class Pause:
     written: Written | None = None   # the guest's writes since the previous pause
     mark: str | None = None          # set by the caller: the disk's lineage mark on resuming
     seconds: float = 0.0             # how long the VM was stopped, once it runs again
-
+    memory: Path | None = None       # with memory=True: the memory image, device state saved
+    device_state: int = 0            # bytes of device state behind the RAM
+    saving: float = 0.0              # seconds the device state took to save
 
 class Machine:
     """The QEMU process of one VM, whether it runs or not (it outlives this
@@ -85,7 +115,9 @@ class Machine:
         self.vm = vm
         self.directory = vm.directory
         self.tracking = DirtyTracking(vm.directory)
+        self.memory_image = vm.directory / MEMORY_IMAGE
         self._qmp: QMP | None = None   # the connection of the outermost open qmp() block
+        self.last_launch: dict[str, float] = {}   # seconds per phase of the last launch
 
     def __enter__(self) -> "Machine":
         return self
@@ -114,6 +146,49 @@ class Machine:
         return self.pid is not None
 
     @property
+    def ram_bytes(self) -> int:
+        return self.vm.memory_mb * MiB
+
+    @property
+    def memory_backed(self) -> bool:
+        """Whether the running QEMU keeps guest RAM in the memory image (and so
+        can take a memory checkpoint)."""
+        pid = self.pid
+        if pid is None:
+            return False
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return False
+        return f"mem-path={self.memory_image},".encode() in cmdline
+
+    def guest_knows_memory_checkpoints(self) -> bool:
+        """Whether the running guest's daemon can hold its processes during a
+        memory checkpoint and fix its clock and RNG after one (an initramfs
+        built before it could cannot)."""
+        try:
+            version = (self.directory / GUESTD_VERSION).read_text().split()
+            return int(version[-1]) >= MEMORY_CHECKPOINT_VERSION
+        except (OSError, ValueError, IndexError):
+            return False
+
+    def signature(self) -> dict:
+        """The machine configuration a memory checkpoint of this VM records,
+        and must find again to be resumed (see :meth:`Launch.signature`): that
+        of the running QEMU, or of the one a launch would start."""
+        accel = self.accel if self.running else None
+        if accel is None:
+            kernel_dir = self.vm.kernel_dir
+            accel, _ = choose_accel(kernel_dir / "vmlinuz", kernel_dir / "initrd.img")
+        return self._launch(accel).signature()
+
+    def _launch(self, accel: str, *, memory: bool = False, incoming: bool = False) -> Launch:
+        kernel_dir = self.vm.kernel_dir
+        return Launch(self.vm.name, self.directory, kernel_dir / "vmlinuz",
+                      kernel_dir / "initrd.img", self.vm.disk, self.vm.memory_mb, self.vm.cpus,
+                      accel, self.memory_image if memory else None, incoming)
+
+    @property
     def accel(self) -> str | None:
         """The accelerator of the last launch: ``kvm`` or ``tcg``."""
         try:
@@ -122,11 +197,21 @@ class Machine:
             return None
 
     def launch(self, timeout: float = DEFAULT_BOOT_TIMEOUT,
-               progress: Progress = NO_PROGRESS) -> None:
+               progress: Progress = NO_PROGRESS, *, memory: bool = False,
+               incoming: bool = False, mark: str | None = None) -> None:
         """Start QEMU, wait until the guest daemon answers, and start tracking
         the guest's disk writes, each a phase of ``progress``. If the guest
         does not come up in time, or QEMU exits, QEMU is killed and the
-        VMError quotes the guest's console."""
+        VMError quotes the guest's console.
+
+        ``memory``: guest RAM is the memory image, so that checkpoints can
+        hold it. ``incoming`` (implies ``memory``): no boot; the guest resumes
+        from the RAM and device state in the memory image (its disk must be
+        the disk of the same checkpoint), its clock set and its random-number
+        generator reseeded before any of its processes runs again. ``mark``,
+        the disk's lineage mark, lets the first checkpoint after such a
+        launch trust the dirty bitmap, which then starts with the disk being
+        that snapshot."""
         name = self.vm.name
         if self.running:
             raise VMError(f"VM {name} is already running")
@@ -135,18 +220,39 @@ class Machine:
             raise VMError(f"the kernel of VM {name} is missing from {kernel_dir}; "
                           f"recreate the VM with --kernel DIR")
         kernel, initrd = kernel_dir / "vmlinuz", kernel_dir / "initrd.img"
+        memory = memory or incoming
         steps = Steps(progress, 2)
         steps.begin("starting QEMU")
+        began = time.monotonic()
         accel, _ = choose_accel(kernel, initrd)
+        warming = None
+        if memory:
+            # A boot warms the page cache before QEMU runs the guest. A resume
+            # warms it while QEMU starts and loads the device state: QEMU
+            # touches no guest RAM until the guest runs (cont).
+            fd = self._sized_memory_image(fresh=not incoming)
+            warming = _Warming(fd, self.ram_bytes)
+            if not incoming:
+                warming.join()
         (self.directory / CONSOLE_LOG).unlink(missing_ok=True)
-        Launch(name, self.directory, kernel, initrd, self.vm.disk, self.vm.memory_mb,
-               self.vm.cpus, accel).start()
+        try:
+            self._launch(accel, memory=memory, incoming=incoming).start()
+        except BaseException:
+            if warming is not None:
+                warming.join()
+            raise
         (self.directory / ACCEL_FILE).write_text(accel + "\n")
+        self.last_launch = {"qemu": time.monotonic() - began}
+        if incoming:
+            steps.begin("resuming from the checkpoint")
+            self._resume_incoming(timeout, mark, warming)
+            return steps.end()
         deadline = time.monotonic() + timeout
         steps.begin(f"booting: waiting for the guest daemon ({accel})")
         try:
             with self.guest() as link:
-                link.ping(timeout=max(deadline - time.monotonic(), 0.1))
+                version = link.ping(timeout=max(deadline - time.monotonic(), 0.1))
+            (self.directory / GUESTD_VERSION).write_text(version + "\n")
         except GuestTimeout:
             self.kill()
             raise VMError(f"VM {name} did not come up within {timeout:.0f} s ({accel}); "
@@ -159,7 +265,69 @@ class Machine:
         # Without tracking (a QEMU that refuses it), every snapshot maps the
         # whole disk: slower, never wrong.
         with contextlib.suppress(VMError, OSError), self.qmp() as q, self._dir_fd() as fd:
+            if memory:
+                set_ignore_shared(q)
             self.tracking.write(Generation(self.pid, start_dirty_tracking(q, fd)))
+
+    def _sized_memory_image(self, fresh: bool) -> int:
+        """An open descriptor of the memory image, at its size. A boot
+        (``fresh``) keeps what an earlier run left in it: the guest overwrites
+        what it uses, and the next checkpoint then stores only what differs
+        from the image's last snapshot."""
+        size = self.ram_bytes + DEVICE_STATE_AREA
+        fd = os.open(self.memory_image, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            current = os.fstat(fd).st_size
+            if current != size:
+                if not fresh:
+                    raise VMError(f"the memory image of VM {self.vm.name} holds {current} "
+                                  f"bytes, not the {size} of its {self.vm.memory_mb} MiB; "
+                                  f"restore its checkpoint again")
+                os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _resume_incoming(self, timeout: float, mark: str | None, warming: "_Warming") -> None:
+        """QEMU started with ``-incoming defer``: load the device state from
+        the memory image, start dirty tracking, run the guest and have its
+        daemon fix the clock and the RNG and let its processes go."""
+        name = self.vm.name
+        began = time.monotonic()
+        try:
+            # Connected before the guest runs, the guest daemon's port stays
+            # open across the checkpoint: the daemon reads the request at once
+            # instead of first waiting out a closed port.
+            with self.guest() as link, self.qmp() as q, self._dir_fd() as dir_fd:
+                set_ignore_shared(q)
+                fd = os.open(self.memory_image, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    os.lseek(fd, self.ram_bytes, os.SEEK_SET)
+                    q.pass_fd(DEVICE_STATE_FD, fd)
+                finally:
+                    os.close(fd)
+                q.command("migrate-incoming", uri=f"fd:{DEVICE_STATE_FD}")
+                wait_for_migration(q, timeout, "loading the checkpoint's device state")
+                loaded = time.monotonic()
+                with contextlib.suppress(VMError, OSError):
+                    self.tracking.write(Generation(self.pid, start_dirty_tracking(q, dir_fd),
+                                                   mark))
+                warming.join()
+                warmed = time.monotonic()
+                q.command("cont")
+                running = time.monotonic()
+                link.resume(timeout=timeout)
+            # A daemon that resumed knows memory checkpoints.
+            (self.directory / GUESTD_VERSION).write_text(
+                f"blockdiff-guestd {MEMORY_CHECKPOINT_VERSION}\n")
+        except (VMError, GuestError) as e:
+            warming.join()
+            self.kill()
+            raise VMError(f"VM {name} did not resume from its checkpoint: {e}") from None
+        self.last_launch |= {"incoming": loaded - began, "tracking+warm": warmed - loaded,
+                             "cont": running - warmed, "guest": time.monotonic() - running,
+                             "warm": warming.seconds}
 
     def shutdown(self, timeout: float = 20.0) -> None:
         """Power the guest off cleanly (its disk unmounted); QEMU is killed if
@@ -244,7 +412,7 @@ class Machine:
             q.command("cont")
 
     @contextlib.contextmanager
-    def paused(self, mark: str | None):
+    def paused(self, mark: str | None, *, memory: bool = False):
         """The VM paused for the block, and resumed at its end whatever happens.
 
         Yields a :class:`Pause`. Its ``written`` holds the byte ranges the
@@ -255,13 +423,23 @@ class Machine:
         lineage mark once it is committed or restored, so that the next pause
         can trust what this one starts to track. ``seconds`` is set once the
         VM runs again.
+
+        With ``memory`` (a QEMU whose RAM is the memory image), the device
+        state is saved behind the RAM first and ``pause.memory`` names the
+        image: committed within the block, with the disk, it is a checkpoint
+        of the whole VM.
         """
-        with self.qmp():
+        with self.qmp() as q:
             self.pause()
             stopped = time.monotonic()
             pause = Pause()
             try:
                 generation, pause.written = self._next_generation(mark)
+                if memory:
+                    saving = time.monotonic()
+                    pause.device_state = self._save_device_state(q)
+                    pause.memory = self.memory_image
+                    pause.saving = time.monotonic() - saving
                 yield pause
                 if generation is not None and pause.mark is not None:
                     # The new bitmap started with the disk being what the mark names.
@@ -272,6 +450,16 @@ class Machine:
             if generation is not None:
                 with contextlib.suppress(VMError), self.qmp() as q:
                     drop_dirty_bitmaps(q, keep=generation.bitmap)
+
+    def stop_for_good(self, mark: str | None) -> Written | None:
+        """Stop the guest's CPUs for a QEMU about to be killed, and return what
+        the guest wrote to its disk since the disk's lineage mark was
+        ``mark`` (as :meth:`paused` would; None if that is not known), so
+        that restoring the disk afterwards need not map it whole."""
+        with self.qmp():
+            self.pause()
+            _, written = self._next_generation(mark)
+        return written
 
     def _next_generation(self, mark: str | None) -> tuple[Generation | None, Written | None]:
         """With the VM paused: a new bitmap takes over. Returns its generation
@@ -299,6 +487,27 @@ class Machine:
                 return new, read_dirty_bitmap(q, fd, old.bitmap)
         return new, None
 
+    def _save_device_state(self, q: QMP) -> int:
+        """With the VM paused: QEMU's migration stream, which with
+        ``x-ignore-shared`` holds no RAM, into the device-state area of the
+        memory image (cleared first); returns its length."""
+        fd = os.open(self.memory_image, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            native.zero_ranges(fd, np.array([self.ram_bytes], np.uint64),
+                               np.array([DEVICE_STATE_AREA], np.uint64), self.memory_image)
+            os.lseek(fd, self.ram_bytes, os.SEEK_SET)
+            q.pass_fd(DEVICE_STATE_FD, fd)
+            q.command("migrate", uri=f"fd:{DEVICE_STATE_FD}")
+            wait_for_migration(q, 60.0, "saving the device state")
+            # QEMU wrote through a duplicate of this descriptor: one offset.
+            length = os.lseek(fd, 0, os.SEEK_CUR) - self.ram_bytes
+        finally:
+            os.close(fd)
+        if length > DEVICE_STATE_AREA:
+            raise VMError(f"the device state of VM {self.vm.name} ({length} bytes) does not fit "
+                          f"the {DEVICE_STATE_AREA} bytes kept for it behind its RAM")
+        return length
+
     def disk_writes(self) -> int:
         """Write, write-zeroes and discard requests QEMU has served on the
         disk since it started (-1 if it does not say)."""
@@ -322,6 +531,67 @@ def _wait_exit(pid: int, timeout: float) -> bool:
             return True
         time.sleep(0.02)
     return False
+
+
+# ------------------------------------------------------------------ memory
+
+
+class _Warming:
+    """:func:`warm_page_cache` of an open descriptor, in a thread (the kernel
+    reads ahead without the GIL); the descriptor is closed once done."""
+
+    def __init__(self, fd: int, length: int):
+        self.seconds = 0.0
+        self.error: OSError | None = None
+        self._thread = threading.Thread(target=self._run, args=(fd, length), daemon=True)
+        self._thread.start()
+
+    def _run(self, fd: int, length: int) -> None:
+        began = time.monotonic()
+        try:
+            warm_page_cache(fd, length)
+        except OSError as e:   # only slower checkpoints: never fatal
+            self.error = e
+        finally:
+            os.close(fd)
+            self.seconds = time.monotonic() - began
+
+    def join(self) -> None:
+        self._thread.join()
+
+
+def warm_page_cache(fd: int, length: int) -> None:
+    """Have the kernel read the first ``length`` bytes of a file ahead into the
+    page cache. Readahead asked for this way fills it with 4 KiB folios,
+    which the large folios a ``MADV_HUGEPAGE`` mapping would fault in then
+    cannot replace; pages already cached are skipped."""
+    for offset in range(0, length, WARM_STEP):
+        os.posix_fadvise(fd, offset, min(WARM_STEP, length - offset), os.POSIX_FADV_WILLNEED)
+
+
+def set_ignore_shared(q: QMP) -> None:
+    """Keep shared RAM (the memory image) out of migration streams: they hold
+    only the device state, and the RAM stays in the file."""
+    q.command("migrate-set-capabilities",
+              capabilities=[{"capability": "x-ignore-shared", "state": True}])
+
+
+def wait_for_migration(q: QMP, timeout: float, what: str) -> None:
+    """Until the migration QEMU runs (either way) completes; VMError saying
+    why if it fails."""
+    # Polled, not awaited as an event: a query costs about 0.2 ms, and the
+    # device state takes a few milliseconds, all of them inside the pause.
+    deadline = time.monotonic() + timeout
+    while True:
+        info = q.command("query-migrate")
+        status = info.get("status")
+        if status == "completed":
+            return
+        if status in ("failed", "cancelled"):
+            raise VMError(f"QEMU failed {what}: {info.get('error-desc', status)}")
+        if time.monotonic() > deadline:
+            raise VMError(f"QEMU did not finish {what} within {timeout:.0f} s")
+        time.sleep(0.0003)
 
 
 # ---------------------------------------------------------- dirty bitmaps

@@ -33,6 +33,8 @@ CONSOLE_LOG = "console.log"   # the guest's serial console
 DISK_NODE = "disk0-raw"   # the disk's block node, where its dirty bitmap lives
 ACCEL_ENV = "BLOCKDIFF_VM_ACCEL"
 PROBE_TIMEOUT = 10.0
+RAM_BACKEND = "ram0"
+MACHINE_TYPE = "q35"
 
 
 def find_qemu() -> str:
@@ -44,9 +46,32 @@ def find_qemu() -> str:
     return path
 
 
+_versions: dict[tuple, str] = {}
+
+
+def qemu_version(qemu: str | None = None) -> str:
+    """The version of the QEMU binary (``7.2.22``), asked once per binary and
+    process: a memory checkpoint only resumes in the QEMU that took it."""
+    qemu = qemu or find_qemu()
+    st = os.stat(qemu)
+    key = (qemu, st.st_size, st.st_mtime_ns)
+    if key not in _versions:
+        done = subprocess.run([qemu, "--version"], capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL)
+        words = done.stdout.split()
+        _versions[key] = words[3] if len(words) > 3 and words[2] == "version" else "unknown"
+    return _versions[key]
+
+
 @dataclass(frozen=True)
 class Launch:
-    """What one QEMU process of a sandbox is made of."""
+    """What one QEMU process of a sandbox is made of.
+
+    With ``memory_image``, guest RAM is that file (shared, on the store's
+    filesystem) instead of anonymous memory, so that a checkpoint can commit
+    it like a disk; with ``incoming`` too, QEMU starts paused, waiting for the
+    device state of a checkpoint (``migrate-incoming``) instead of booting.
+    """
 
     name: str
     directory: Path
@@ -56,6 +81,31 @@ class Launch:
     memory_mb: int = 256
     cpus: int = 1
     accel: str = "tcg"
+    memory_image: Path | None = None
+    incoming: bool = False
+
+    def devices(self) -> list[str]:
+        """The devices of the command line (each ``-device``'s driver): the
+        part of the machine a checkpoint's device state must match."""
+        argv = self.argv(QEMU)
+        return [argv[i + 1].split(",")[0] for i, arg in enumerate(argv) if arg == "-device"]
+
+    def signature(self) -> dict:
+        """What a memory checkpoint of this machine can only be resumed on:
+        the same QEMU, machine type, accelerator, memory, CPUs and devices."""
+        return {"qemu": qemu_version(), "machine": MACHINE_TYPE, "accel": self.accel,
+                "memory_mb": self.memory_mb, "cpus": self.cpus,
+                "devices": ",".join(self.devices())}
+
+    def _memory_args(self) -> list[str]:
+        if self.memory_image is None:
+            return ["-machine", MACHINE_TYPE]
+        # share=on: the guest's writes go to the file (its page cache), which
+        # is what the store commits; x-ignore-shared then keeps RAM out of
+        # the migration stream, which holds only the device state.
+        return ["-object", f"memory-backend-file,id={RAM_BACKEND},size={self.memory_mb}M,"
+                           f"mem-path={self.memory_image},share=on",
+                "-machine", f"{MACHINE_TYPE},memory-backend={RAM_BACKEND}"]
 
     def argv(self, qemu: str) -> list[str]:
         """The command line, for the binary ``qemu``."""
@@ -63,7 +113,7 @@ class Launch:
         return [
             qemu, "-name", f"blockdiff-{self.name}",
             "-nodefaults", "-no-user-config", "-display", "none",
-            "-machine", "q35", "-accel", self.accel,
+            *self._memory_args(), "-accel", self.accel,
             *(["-cpu", "host"] if self.accel == "kvm" else []),
             "-m", str(self.memory_mb), "-smp", str(self.cpus),
             "-kernel", str(self.kernel), "-initrd", str(self.initrd),
@@ -79,6 +129,9 @@ class Launch:
             "-chardev", f"socket,id=guestd,path={GUEST_SOCKET},server=on,wait=off",
             "-device", f"virtserialport,chardev=guestd,name={GUEST_PORT}",
             "-qmp", f"unix:{QMP_SOCKET},server=on,wait=off",
+            # Paused until the checkpoint's device state is in and the guest
+            # told it resumes (-S: no start on its own once migrated).
+            *(["-incoming", "defer", "-S"] if self.incoming else []),
             "-daemonize", "-pidfile", PID_FILE,
         ]
 
@@ -124,6 +177,8 @@ class QMP:
                 chunk = self.sock.recv(65536)
             except TimeoutError:
                 raise VMError("QEMU did not answer on its control socket") from None
+            except OSError:
+                chunk = b""
             if not chunk:
                 raise VMError("QEMU closed its control socket")
             self._buf += chunk
@@ -134,14 +189,20 @@ class QMP:
         """Hand QEMU a file descriptor (``getfd``), to be named ``fdname`` in
         later commands."""
         message = json.dumps({"execute": "getfd", "arguments": {"fdname": fdname}})
-        socket.send_fds(self.sock, [message.encode() + b"\n"], [fd])
+        try:
+            socket.send_fds(self.sock, [message.encode() + b"\n"], [fd])
+        except OSError:
+            raise VMError("QEMU closed its control socket") from None
         self._reply("getfd")
 
     def command(self, name: str, /, **arguments) -> dict:
         """Run one command; returns what QEMU returned (VMError if it refused)."""
         # Positional-only: QMP arguments may themselves be called "name".
         message = {"execute": name} | ({"arguments": arguments} if arguments else {})
-        self.sock.sendall(json.dumps(message).encode() + b"\n")
+        try:
+            self.sock.sendall(json.dumps(message).encode() + b"\n")
+        except OSError:   # QEMU gone (a broken pipe, a reset connection)
+            raise VMError("QEMU closed its control socket") from None
         return self._reply(name)
 
     def _reply(self, name: str) -> dict:

@@ -12,11 +12,23 @@ unmounts the disk, the store patches the image in place, and the daemon
 mounts it again with nothing of the old contents cached. :meth:`Sandbox.fork`
 starts a new VM from any snapshot.
 
+Whole-VM checkpoints: where the store is on a reflink filesystem (unless the
+VM was created with ``memory=False``), guest RAM is a file beside the disk,
+and a checkpoint commits it, with the device state behind it, as a second
+snapshot in the same pause as the disk's: the *memory snapshot*, which the
+disk snapshot's ``vm.memory`` names. :meth:`Sandbox.restore` and
+:meth:`Sandbox.fork` of such a checkpoint then bring the VM back running,
+its processes where they were, without a boot (``disk_only`` keeps the disk
+swap). The memory snapshot records the machine it can be resumed on
+(``vm.machine``); any other is refused.
+
 Files of the protocol in the VM's directory::
 
     lock                   serialises operations on the VM
     checkpointing          while a checkpoint may have left the VM paused or frozen
     last-checkpoint.json   QEMU's count of the disk's writes after the last checkpoint
+    ran                    a command ran since the last checkpoint
+    resume-from            a stopped fork's memory snapshot, resumed by start()
 """
 
 from __future__ import annotations
@@ -30,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blockdiff.engine.files import copy_file
-from blockdiff.errors import GuestError, UsageError, VMError
+from blockdiff.errors import GuestError, UnknownSnapshot, UsageError, VMError
 from blockdiff.progress import NO_PROGRESS, Progress
 from blockdiff.store.catalog import Snapshot
 from blockdiff.store.store import Store, as_store
@@ -41,7 +53,15 @@ from blockdiff.vm.registry import Registry, check_name
 LOCK = "lock"
 CHECKPOINTING = "checkpointing"
 LAST_CHECKPOINT = "last-checkpoint.json"
+RAN = "ran"
+RESUME_FROM = "resume-from"
 FSFREEZE = "fsfreeze"
+# Metadata keys: the disk snapshot names its memory snapshot; the memory
+# snapshot says what it is, the machine it runs on and its device state's size.
+MEMORY_KEY = "vm.memory"
+PART_KEY = "vm.part"
+MACHINE_KEY = "vm.machine"
+DEVICE_STATE_KEY = "vm.device-state"
 
 
 @dataclass(frozen=True)
@@ -52,6 +72,8 @@ class CheckpointTiming:
     paused: float    # the VM stopped: the dirty bitmap read, the commit
     total: float
     tracked: bool = False   # QEMU's dirty bitmap said what to map
+    memory: bool = False    # RAM and device state are in the checkpoint too
+    memory_bytes: int = 0   # bytes of the memory image the memory snapshot stored
 
 
 @dataclass(frozen=True)
@@ -61,6 +83,7 @@ class RestoreTiming:
     seconds: float   # from the call until the VM runs commands again
     rebooted: bool   # False when the disk was swapped under the running guest
     tracked: bool = False   # QEMU's dirty bitmap said what was written
+    memory: bool = False    # the VM resumed from the checkpoint's memory, processes and all
 
 
 @dataclass(frozen=True)
@@ -72,6 +95,8 @@ class VMStatus:
     pid: int | None
     snapshot: str | None
     accel: str | None
+    memory: bool = False            # the VM's checkpoints hold its memory
+    snapshot_memory: bool = False   # the snapshot it descends from holds memory
 
 
 class Sandbox:
@@ -94,6 +119,9 @@ class Sandbox:
         self.guest_timeout = 30.0
         self.last_checkpoint: CheckpointTiming | None = None
         self.last_restore: RestoreTiming | None = None
+        # Seconds per phase of the last resume from a memory checkpoint
+        # (the machine's own phases are in machine.last_launch).
+        self.last_restore_phases: dict[str, float] = {}
 
     # ----------------------------------------------------------- creation
 
@@ -101,16 +129,25 @@ class Sandbox:
     def create(cls, store: Store | str | os.PathLike, name: str, *,
                image: str | os.PathLike | None = None, snapshot: str | None = None,
                kernel: str | os.PathLike | None = None, memory_mb: int = 256, cpus: int = 1,
-               ephemeral: bool = False, progress: Progress = NO_PROGRESS) -> "Sandbox":
+               ephemeral: bool = False, memory: bool | None = None,
+               progress: Progress = NO_PROGRESS) -> "Sandbox":
         """A new, stopped VM whose disk is a copy of ``image`` (reflinked when
         it is on the store's filesystem; committed as the VM's root snapshot)
         or a fork of store snapshot ``snapshot``.
         ``kernel`` is a directory holding ``vmlinuz`` and ``initrd.img`` (made by
         ``blockdiff vm build-image``); by default the image's own directory, or
-        the kernel the snapshot was taken with. ``progress`` hears of the
-        disk's bytes checked (a fork) or checksummed (its first commit)."""
+        the kernel the snapshot was taken with. ``memory``: checkpoints hold
+        the VM's RAM and device state too (the default where the store is on
+        a reflink filesystem). ``progress`` hears of the disk's bytes checked
+        (a fork) or checksummed (its first commit)."""
         store = as_store(store)
         check_name(name)
+        if memory is None:
+            memory = not store.copy_mode
+        elif memory and store.copy_mode:
+            raise UsageError("memory checkpoints need a store on a reflink filesystem (a "
+                             "copy-mode store would copy the whole RAM at every checkpoint); "
+                             "create the VM with --no-memory")
         if (image is None) == (snapshot is None):
             raise UsageError("give exactly one of an image (--image) or a snapshot (--from)")
         if memory_mb < 64 or cpus < 1:
@@ -129,7 +166,7 @@ class Sandbox:
 
         source = {"snapshot": snap.id} if snap else {"image": os.path.abspath(image)}
         registry.add(name, {"kernel": kernel_key, "memory_mb": memory_mb, "cpus": cpus,
-                            "source": source}, write_disk)
+                            "memory": memory, "source": source}, write_disk)
         sandbox = cls(store, name)
         sandbox.ephemeral = ephemeral
         if snap is None:
@@ -170,11 +207,21 @@ class Sandbox:
     def running(self) -> bool:
         return self.machine.running
 
+    @property
+    def memory_checkpoints(self) -> bool:
+        """Whether this VM's checkpoints hold its memory (``memory`` at creation)."""
+        return bool(self.config.get("memory", not self.store.copy_mode))
+
     def status(self) -> VMStatus:
         """Whether the VM runs, and the snapshot its disk descends from."""
         snapshot, _ = self.store.lineage(self.disk)
         pid = self.pid
-        return VMStatus(self.name, pid is not None, pid, snapshot, self.machine.accel)
+        with_memory = False
+        if snapshot is not None:
+            with contextlib.suppress(UnknownSnapshot):
+                with_memory = MEMORY_KEY in self.store.get(snapshot).meta
+        return VMStatus(self.name, pid is not None, pid, snapshot, self.machine.accel,
+                        self.memory_checkpoints, with_memory)
 
     @contextlib.contextmanager
     def _lock(self):
@@ -206,8 +253,40 @@ class Sandbox:
         """Boot the VM (in the background) and wait until its guest daemon
         answers; the boot's phases go to ``progress``."""
         with self._lock():
-            if not self.machine.running:
-                self.machine.launch(timeout, progress)
+            if self.machine.running:
+                return
+            marker = self.directory / RESUME_FROM
+            if marker.exists():
+                # A fork left stopped: it resumes from its checkpoint's memory.
+                self.machine.launch(timeout, progress, incoming=True,
+                                    mark=self.store.lineage_mark(self.disk))
+                marker.unlink()
+            else:
+                self._boot(timeout, progress)
+
+    def _boot(self, timeout: float, progress: Progress = NO_PROGRESS) -> None:
+        """Boot QEMU; with memory checkpoints, its RAM as the memory image,
+        committed once booted as the base the first checkpoint's memory is
+        a delta on."""
+        memory = self.memory_checkpoints
+        self.machine.launch(timeout, progress, memory=memory)
+        if memory:
+            self._commit_memory_base()
+
+    def _commit_memory_base(self) -> None:
+        """Commit the RAM a boot wrote (100 MiB or more), paused, as a
+        snapshot no checkpoint is (it has no device state): the first
+        checkpoint then stores, and pauses the VM for, only what its step
+        changed, as the disk's root snapshot does for the disk."""
+        with self.machine.qmp():
+            self.machine.pause()
+            try:
+                self.store.commit(self.machine.memory_image,
+                                  message=f"memory of VM {self.name} after its boot",
+                                  meta={"vm": self.name, "vm.kernel": self.config["kernel"],
+                                        PART_KEY: "memory-base"})
+            finally:
+                self.machine.resume()
 
     def stop(self, *, timeout: float = 20.0) -> None:
         """Shut the guest down cleanly (its disk unmounted); QEMU is killed if
@@ -222,7 +301,7 @@ class Sandbox:
 
     def _forget_checkpoints(self) -> None:
         # What the protocol knew of a QEMU process that is gone.
-        for f in (CHECKPOINTING, LAST_CHECKPOINT):
+        for f in (CHECKPOINTING, LAST_CHECKPOINT, RAN):
             (self.directory / f).unlink(missing_ok=True)
 
     def destroy(self) -> None:
@@ -239,21 +318,25 @@ class Sandbox:
         as it is. ``timeout`` kills it in the guest (the result says so)."""
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
         with self._lock(), self.machine.guest() as link:
+            # The guest's memory changes: skip_unchanged must not skip the next
+            # memory checkpoint.
+            (self.directory / RAN).touch()
             return link.exec(argv, timeout=timeout, stdin=input, cwd=cwd)
 
     @contextlib.contextmanager
-    def _paused(self):
+    def _paused(self, memory: bool = False):
         """The VM paused for a commit or a restore of its disk, done by the
         block. Yields the machine's :class:`~blockdiff.vm.machine.Pause`,
         whose ``written`` tells the store what the guest wrote since the disk
         was its lineage snapshot; the new lineage mark is handed back to the
         machine before the VM resumes."""
-        with self.machine.paused(self.store.lineage_mark(self.disk)) as pause:
+        with self.machine.paused(self.store.lineage_mark(self.disk), memory=memory) as pause:
             yield pause
             pause.mark = self.store.lineage_mark(self.disk)
 
     def checkpoint(self, message: str = "", meta: dict | None = None,
-                   ttl: float | None = None, skip_unchanged: bool = False) -> str:
+                   ttl: float | None = None, skip_unchanged: bool = False,
+                   memory: bool | None = None) -> str:
         """Snapshot the disk into the store; returns the snapshot id.
 
         A running guest flushes and freezes its filesystem, then the VM is
@@ -261,44 +344,86 @@ class Sandbox:
         resumed and thawed. A guest whose daemon does not answer is
         snapshotted as it is on disk (crash-consistent), and the snapshot's
         ``vm.flush`` says so. With ``skip_unchanged``, a disk with no change
-        since its last snapshot gives that snapshot's id and adds no node."""
+        since its last snapshot gives that snapshot's id and adds no node
+        (with memory: only if no command ran in the guest since either).
+
+        ``memory`` (default: the VM's ``memory_checkpoints``): a whole-VM
+        checkpoint. The guest's processes are frozen with its filesystem, and
+        in the same pause as the disk the memory image (RAM, then the device
+        state) is committed as a snapshot of its own, which the disk
+        snapshot's ``vm.memory`` names. It is taken only from a running QEMU
+        whose RAM is the memory image and whose guest daemon can resume; else
+        the checkpoint is of the disk alone (``last_checkpoint.memory``)."""
         meta = {"vm": self.name, "vm.kernel": self.config["kernel"]} | (meta or {})
+        if memory is None:
+            memory = self.memory_checkpoints
         with self._lock():
             if not self.machine.running:
                 snap = self.store.commit(self.disk, message=message, meta=meta, ttl=ttl,
                                          skip_unchanged=skip_unchanged)
                 return snap.id
             start = time.monotonic()
+            memory = (memory and self.machine.memory_backed
+                      and self.machine.guest_knows_memory_checkpoints())
             if skip_unchanged:
-                unchanged = self._unchanged_since_checkpoint()
+                unchanged = self._unchanged_since_checkpoint(memory)
                 if unchanged is not None:
                     self.last_checkpoint = CheckpointTiming(0.0, 0.0, time.monotonic() - start)
                     return unchanged
             marker = self.directory / CHECKPOINTING
             marker.touch()
             with self.machine.guest() as link, self.machine.qmp():
-                meta["vm.flush"] = self._freeze(link)
+                meta["vm.flush"] = self._freeze(link, processes=memory)
+                # A guest that did not freeze may not resume either: disk only.
+                memory = memory and meta["vm.flush"] == FSFREEZE
+                if memory:
+                    self._write_back_memory()
                 frozen = time.monotonic()
-                snap = None
+                snap = memory_snap = None
                 try:
-                    with self._paused() as pause:
+                    with self._paused(memory=memory) as pause:
+                        if memory:
+                            memory_snap = self._commit_memory(pause, message, ttl)
+                            meta[MEMORY_KEY] = memory_snap.id
                         snap = self.store.commit(self.disk, message=message, meta=meta,
                                                  ttl=ttl, skip_unchanged=skip_unchanged,
                                                  written=pause.written)
                 finally:
                     if meta["vm.flush"] == FSFREEZE:
                         self._thaw(link, snap)
+            (self.directory / RAN).unlink(missing_ok=True)
             marker.unlink()
-            self.last_checkpoint = CheckpointTiming(frozen - start, pause.seconds,
-                                                    time.monotonic() - start,
-                                                    pause.written is not None)
+            self.last_checkpoint = CheckpointTiming(
+                frozen - start, pause.seconds, time.monotonic() - start,
+                pause.written is not None, memory,
+                memory_snap.changed_bytes if memory_snap else 0)
             return snap.id
 
-    def _freeze(self, link: GuestLink) -> str:
-        """Have the guest flush and freeze its filesystem; returns what the
-        snapshot's ``vm.flush`` is to say."""
+    def _write_back_memory(self) -> None:
+        """Write the guest's dirty RAM back to the memory image while the VM
+        still runs (its processes frozen, so little is dirtied again): the
+        commit in the pause then writes back only what the guest kernel
+        touched since."""
+        fd = os.open(self.machine.memory_image, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            link.freeze(auto_thaw=60.0, timeout=self.guest_timeout)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    def _commit_memory(self, pause, message: str, ttl: float | None) -> Snapshot:
+        """Commit the memory image (RAM, device state just saved behind it) as
+        the memory snapshot of the checkpoint being taken."""
+        meta = {"vm": self.name, "vm.kernel": self.config["kernel"], PART_KEY: "memory",
+                MACHINE_KEY: json.dumps(self.machine.signature(), sort_keys=True),
+                DEVICE_STATE_KEY: str(pause.device_state)}
+        return self.store.commit(pause.memory, message=f"memory: {message}" if message
+                                 else "memory", meta=meta, ttl=ttl)
+
+    def _freeze(self, link: GuestLink, processes: bool = False) -> str:
+        """Have the guest flush and freeze its filesystem (and its processes);
+        returns what the snapshot's ``vm.flush`` is to say."""
+        try:
+            link.freeze(auto_thaw=60.0, timeout=self.guest_timeout, processes=processes)
             return FSFREEZE
         except GuestError:
             # Should the freeze still arrive, the thaw queued behind it undoes it.
@@ -318,13 +443,16 @@ class Sandbox:
         # The thaw writes the superblock once; more means the guest wrote too,
         # and the next check must not skip.
         if snap is not None and thawed_writes - frozen_writes <= 1:
-            note = {"snapshot": snap.id, "writes": thawed_writes, "pid": self.pid}
+            note = {"snapshot": snap.id, "writes": thawed_writes, "pid": self.pid,
+                    "memory": MEMORY_KEY in snap.meta}
             (self.directory / LAST_CHECKPOINT).write_text(json.dumps(note))
 
-    def _unchanged_since_checkpoint(self) -> str | None:
+    def _unchanged_since_checkpoint(self, memory: bool = False) -> str | None:
         try:
             note = json.loads((self.directory / LAST_CHECKPOINT).read_text())
         except (OSError, ValueError):
+            return None
+        if memory and ((self.directory / RAN).exists() or not note.get("memory")):
             return None
         if note.get("pid") != self.pid or self.store.lineage(self.disk)[0] != note["snapshot"]:
             return None
@@ -334,27 +462,105 @@ class Sandbox:
                 return note["snapshot"]
         return None
 
-    def restore(self, snapshot_id: str, *, timeout: float = DEFAULT_BOOT_TIMEOUT) -> RestoreTiming:
-        """Make the disk byte-identical to a snapshot. A running VM runs on:
-        its processes end and its disk is swapped under it (or, when that
-        cannot be done, it is rebooted); a stopped VM stays stopped."""
+    def restore(self, snapshot_id: str, *, timeout: float = DEFAULT_BOOT_TIMEOUT,
+                disk_only: bool = False) -> RestoreTiming:
+        """Put the VM back to a checkpoint.
+
+        A checkpoint with memory brings the VM back running, running or not
+        before: QEMU is killed, disk and memory image restored, and a new
+        QEMU resumes from them, its processes where they were, its clock set
+        and its RNG reseeded. Otherwise, or with ``disk_only``, the disk is
+        made byte-identical to the snapshot: a running VM runs on, its
+        processes ended and its disk swapped under it (or, when that cannot
+        be done, it is rebooted); a stopped VM stays stopped."""
         snap = self.store.get(snapshot_id)
+        memory_snap = None if disk_only else self._memory_of(snap, self.machine)
         with self._lock():
             start = time.monotonic()
             rebooted = tracked = False
-            if not self.machine.running:
+            if memory_snap is not None:
+                written = None
+                if self.machine.running:
+                    # What the guest wrote since the last checkpoint, from the
+                    # dirty bitmap, so that the disk's restore need not map it.
+                    with contextlib.suppress(VMError):
+                        written = self.machine.stop_for_good(self.store.lineage_mark(self.disk))
+                self._kill()
+                killed = time.monotonic()
+                (self.directory / RESUME_FROM).unlink(missing_ok=True)
+                self._resume(snap, memory_snap, timeout, written=written)
+                tracked = written is not None
+                self.last_restore_phases = {"stop": killed - start} | self.last_restore_phases
+            elif not self.machine.running:
                 self.store.restore(snap.id, self.disk)
             else:
                 swapped = self._swap_disk(snap)
                 if swapped is None:
                     self._kill()
                     self.store.restore(snap.id, self.disk)
-                    self.machine.launch(timeout)
+                    self._boot(timeout)
                     rebooted = True
                 else:
                     tracked = swapped
-            self.last_restore = RestoreTiming(time.monotonic() - start, rebooted, tracked)
+            self.last_restore = RestoreTiming(time.monotonic() - start, rebooted, tracked,
+                                              memory_snap is not None)
             return self.last_restore
+
+    def _resume(self, snap: Snapshot, memory_snap: Snapshot, timeout: float, *,
+                start: bool = True, disk: bool = True, written=None) -> None:
+        """With QEMU not running: the disk (unless it is the checkpoint's
+        already: not ``disk``; ``written`` as for ``Store.restore``) and the
+        memory image restored to the checkpoint, then (``start``) a QEMU
+        resumed from them. ``last_restore_phases`` says how long each took."""
+        began = time.monotonic()
+        if disk:
+            self.store.restore(snap.id, self.disk, written=written)
+        disk_done = time.monotonic()
+        self.store.restore(memory_snap.id, self.machine.memory_image)
+        self.last_restore_phases = {"disk": disk_done - began,
+                                    "memory": time.monotonic() - disk_done}
+        if start:
+            self.machine.launch(timeout, incoming=True, mark=self.store.lineage_mark(self.disk))
+        else:
+            (self.directory / RESUME_FROM).write_text(memory_snap.id + "\n")
+
+    def _memory_of(self, snap: Snapshot, machine: Machine) -> Snapshot | None:
+        """The memory snapshot of checkpoint ``snap`` (None for a disk-only
+        one), if ``machine`` can resume it; VMError saying what to do if not."""
+        memory_snap = self._memory_snapshot(snap)
+        if memory_snap is not None:
+            self._check_machine(snap, memory_snap, machine)
+        return memory_snap
+
+    def _memory_snapshot(self, snap: Snapshot) -> Snapshot | None:
+        memory_id = snap.meta.get(MEMORY_KEY)
+        if memory_id is None:
+            return None
+        try:
+            return self.store.get(memory_id)
+        except UnknownSnapshot:
+            raise VMError(f"the memory of checkpoint {snap.id} (snapshot {memory_id}) is no "
+                          f"longer in the store; restore its disk only (--disk-only)") from None
+
+    def _check_machine(self, snap: Snapshot, memory_snap: Snapshot, machine: Machine) -> None:
+        """VMError, saying what to do, unless ``machine`` is the machine the
+        memory snapshot was taken on."""
+        recorded = recorded_machine(memory_snap)
+        current = machine.signature()
+        keys = sorted(key for key in set(recorded) | set(current)
+                      if recorded.get(key) != current.get(key))
+        if not keys:
+            return
+        if set(keys) <= {"memory_mb", "cpus"}:
+            fix = (f"fork it into a new VM, which takes its memory size and CPUs (blockdiff vm "
+                   f"fork {self.name} {snap.id} NEW), or restore its disk only (--disk-only)")
+        else:
+            fix = ("resume it on the machine it was taken on, or restore its disk only "
+                   "(--disk-only; its processes are not brought back)")
+        differ = "; ".join(f"{key} {recorded.get(key)!r} (this VM: {current.get(key)!r})"
+                           for key in keys)
+        raise VMError(f"checkpoint {snap.id} holds the memory of another machine: {differ}; "
+                      f"{fix}")
 
     def _swap_disk(self, snap: Snapshot) -> bool | None:
         """Restore under the running guest; None if that cannot be done here
@@ -373,13 +579,43 @@ class Sandbox:
         return pause.written is not None
 
     def fork(self, snapshot_id: str, new_name: str, *, start: bool = True,
-             timeout: float = DEFAULT_BOOT_TIMEOUT,
+             timeout: float = DEFAULT_BOOT_TIMEOUT, disk_only: bool = False,
              progress: Progress = NO_PROGRESS) -> "Sandbox":
         """A new VM, like this one, whose disk is a fork of ``snapshot_id``
-        (the fork's check and the boot go to ``progress``)."""
-        other = Sandbox.create(self.store, new_name, snapshot=snapshot_id,
-                               kernel=self.vm.kernel_dir, memory_mb=self.vm.memory_mb,
-                               cpus=self.vm.cpus, progress=progress)
-        if start:
+        (the fork's check and the boot go to ``progress``). From a checkpoint
+        with memory (unless ``disk_only``), it takes that checkpoint's memory
+        size and CPUs and resumes from its memory instead of booting, its
+        processes running on independently of this VM's, with a clock and a
+        random-number state of its own; stopped (``start`` False), it resumes
+        when started."""
+        snap = self.store.get(snapshot_id)
+        memory_snap = None if disk_only else self._memory_snapshot(snap)
+        memory_mb, cpus = self.vm.memory_mb, self.vm.cpus
+        if memory_snap is not None:
+            recorded = recorded_machine(memory_snap)
+            memory_mb = recorded.get("memory_mb", memory_mb)
+            cpus = recorded.get("cpus", cpus)
+        other = Sandbox.create(self.store, new_name, snapshot=snap.id,
+                               kernel=self.vm.kernel_dir, memory_mb=memory_mb, cpus=cpus,
+                               memory=self.memory_checkpoints, progress=progress)
+        if memory_snap is not None:
+            try:
+                other._check_machine(snap, memory_snap, other.machine)
+                with other._lock():
+                    other._resume(snap, memory_snap, timeout, start=start, disk=False)
+            except BaseException:
+                other.destroy()
+                raise
+        elif start:
             other.start(timeout=timeout, progress=progress)
         return other
+
+
+def recorded_machine(memory_snap: Snapshot) -> dict:
+    """The machine configuration a memory snapshot was taken on ({} if it
+    does not say)."""
+    try:
+        recorded = json.loads(memory_snap.meta.get(MACHINE_KEY, ""))
+    except ValueError:
+        return {}
+    return recorded if isinstance(recorded, dict) else {}

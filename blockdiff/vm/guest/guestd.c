@@ -22,6 +22,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/fs.h>
+#include <linux/random.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdint.h>
@@ -37,17 +38,18 @@
 #include <time.h>
 #include <unistd.h>
 
-#define GUESTD_VERSION "blockdiff-guestd 1"
+#define GUESTD_VERSION "blockdiff-guestd 2"
 #define PORT_NAME "org.blockdiff.guestd"
 #define MAX_PAYLOAD (64u << 20)
 #define MAX_OUTPUT (16u << 20)
 
 enum {
     T_PING = 1, T_EXEC = 2, T_FREEZE = 3, T_THAW = 4, T_SYNC = 5, T_SHUTDOWN = 6,
-    T_DETACH = 7, T_ATTACH = 8,
+    T_DETACH = 7, T_ATTACH = 8, T_RESUME = 9,
     T_REPLY = 0x80, T_ERROR = 0xff,
 };
 enum { EXEC_TIMED_OUT = 1, EXEC_TRUNCATED = 2 };
+enum { FREEZE_PROCESSES = 1 };
 
 static const char *root = "/mnt/root";
 static const char *disk = "/dev/vda";
@@ -55,6 +57,12 @@ static const char *const binds[] = {"proc", "sys", "dev"};
 static int port = -1;
 static int frozen;                 /* the root filesystem is frozen */
 static int64_t thaw_deadline_ms;   /* thaw by itself then, if the host never does */
+/* Every command runs in this cgroup (v2), so that a checkpoint of the VM's
+ * memory can freeze them all: none of them then runs between a restore and
+ * the moment the guest's clock and random-number generator are fixed. */
+static const char *cgroup = "/run/blockdiff-cgroup/sandbox";
+static int have_cgroup;
+static int processes_frozen;
 
 static int64_t now_ms(void)
 {
@@ -207,11 +215,73 @@ static int thaw_root(void)
     return err;
 }
 
+/* ------------------------------------------------ the commands' cgroup */
+
+static int write_file(const char *dir, const char *name, const char *value)
+{
+    char path[256];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    int fd = open(path, O_WRONLY | O_CLOEXEC), err = 0;
+    if (fd < 0)
+        return errno;
+    if (write(fd, value, strlen(value)) < 0)
+        err = errno;
+    close(fd);
+    return err;
+}
+
+static void setup_cgroup(void)
+{
+    mkdir("/run", 0755);
+    mkdir("/run/blockdiff-cgroup", 0755);
+    if (mount("cgroup2", "/run/blockdiff-cgroup", "cgroup2", 0, NULL) < 0 && errno != EBUSY) {
+        logmsg("no cgroup2 (%s): memory checkpoints cannot hold the guest's processes",
+               strerror(errno));
+        return;
+    }
+    if (mkdir(cgroup, 0755) < 0 && errno != EEXIST) {
+        logmsg("cannot make the commands' cgroup: %s", strerror(errno));
+        return;
+    }
+    have_cgroup = 1;
+}
+
+/* Freeze (1) or thaw (0) every command and what it started; waits until the
+ * kernel says they are all frozen. */
+static int freeze_processes(int on)
+{
+    if (!have_cgroup)
+        return on ? ENOSYS : 0;
+    int err = write_file(cgroup, "cgroup.freeze", on ? "1" : "0");
+    if (err || !on) {
+        processes_frozen = 0;
+        return err;
+    }
+    char path[256], events[256];
+    snprintf(path, sizeof path, "%s/cgroup.events", cgroup);
+    for (int64_t deadline = now_ms() + 10000; now_ms() < deadline; usleep(500)) {
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        ssize_t k = fd < 0 ? -1 : read(fd, events, sizeof events - 1);
+        if (fd >= 0)
+            close(fd);
+        if (k > 0) {
+            events[k] = 0;
+            if (strstr(events, "frozen 1")) {
+                processes_frozen = 1;
+                return 0;
+            }
+        }
+    }
+    write_file(cgroup, "cgroup.freeze", "0");
+    return ETIMEDOUT;
+}
+
 static void thaw_if_overdue(void)
 {
-    if (frozen && now_ms() >= thaw_deadline_ms) {
+    if ((frozen || processes_frozen) && now_ms() >= thaw_deadline_ms) {
         logmsg("%s", "the host never thawed the disk; thawing it");
         thaw_root();
+        freeze_processes(0);
     }
 }
 
@@ -279,6 +349,8 @@ static void child(char **argv, const char *cwd, int in, int out, int err)
     dup2(err, 2);
     setsid();
     signal(SIGPIPE, SIG_DFL);
+    if (have_cgroup)
+        write_file(cgroup, "cgroup.procs", "0");
     /* A login-like environment of the disk's system, not the initramfs's. */
     clearenv();
     setenv("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", 1);
@@ -456,6 +528,7 @@ static int do_detach(void)
 {
     if (frozen)
         thaw_root();
+    freeze_processes(0);
     /* From PID 1, kill(-1) reaches every process but this one, and every
      * orphan becomes our child: no children left means no processes left. */
     for (int tries = 0; tries < 500; tries++) {
@@ -506,6 +579,49 @@ static int do_attach(void)
     return 0;
 }
 
+/* -------------------------------------------- resuming from a checkpoint */
+
+/* The VM runs again from a memory checkpoint (restored, or forked into a new
+ * VM): its wall clock is where it stood at the checkpoint, and its random-
+ * number generator is in the state every other VM resumed from that
+ * checkpoint is in. Set the clock, mix the host's bytes into the entropy
+ * pool and reseed, then let the disk and the processes go: none of them ran
+ * in between.
+ * payload: u64 realtime_ns | u32 entropy_len | u32 0 | entropy */
+static int do_resume(const unsigned char *p, uint32_t len)
+{
+    if (len < 16)
+        return EINVAL;
+    uint64_t ns = get32(p) | (uint64_t)get32(p + 4) << 32;
+    uint32_t n = get32(p + 8);
+    if (n > len - 16 || n > 4096)
+        return EINVAL;
+    struct timespec ts = {.tv_sec = ns / 1000000000u, .tv_nsec = ns % 1000000000u};
+    int err = clock_settime(CLOCK_REALTIME, &ts) < 0 ? errno : 0;
+    int fd = open("/dev/urandom", O_WRONLY | O_CLOEXEC);
+    if (fd < 0 && !err)
+        err = errno;
+    if (fd >= 0) {
+        struct rand_pool_info *info = calloc(1, sizeof *info + n + 4);
+        if (info) {
+            info->entropy_count = n * 8;
+            info->buf_size = n;
+            memcpy(info->buf, p + 16, n);
+            if (ioctl(fd, RNDADDENTROPY, info) < 0 && !err)
+                err = errno;
+            free(info);
+        } else if (!err) {
+            err = ENOMEM;
+        }
+        if (ioctl(fd, RNDRESEEDCRNG) < 0 && !err)
+            err = errno;
+        close(fd);
+    }
+    int thawed = frozen ? thaw_root() : 0;
+    int resumed = freeze_processes(0);
+    return err ? err : thawed ? thawed : resumed;
+}
+
 /* ----------------------------------------------------------- shut down */
 
 static void power_off(void)
@@ -528,6 +644,7 @@ int main(int argc, char **argv)
     if (argc > 2)
         disk = argv[2];
     signal(SIGPIPE, SIG_IGN);
+    setup_cgroup();
     for (int tries = 0; !find_port(path, sizeof path); tries++) {
         if (tries == 100)
             logmsg("%s", "waiting for the virtio-serial port " PORT_NAME);
@@ -578,18 +695,30 @@ int main(int argc, char **argv)
             send_status(T_SYNC, id, sync_root());
             break;
         case T_FREEZE: {
-            int err = sync_root();
+            /* payload: u32 auto_thaw_ms | u32 flags (FREEZE_PROCESSES) */
+            int err = 0;
+            thaw_deadline_ms = now_ms() + (len >= 4 ? get32(p) : 30000);
+            if (len >= 8 && get32(p + 4) & FREEZE_PROCESSES)
+                err = freeze_processes(1);
+            if (!err)
+                err = sync_root();
             if (!err)
                 err = freeze_root();
-            if (!err) {
+            if (!err)
                 frozen = 1;
-                thaw_deadline_ms = now_ms() + (len >= 4 ? get32(p) : 30000);
-            }
+            else
+                freeze_processes(0);
             send_status(T_FREEZE, id, err);
             break;
         }
-        case T_THAW:
-            send_status(T_THAW, id, thaw_root());
+        case T_THAW: {
+            int err = thaw_root();
+            int resumed = freeze_processes(0);
+            send_status(T_THAW, id, err ? err : resumed);
+            break;
+        }
+        case T_RESUME:
+            send_status(T_RESUME, id, do_resume(p, len));
             break;
         case T_DETACH:
             send_status(T_DETACH, id, do_detach());
@@ -601,6 +730,7 @@ int main(int argc, char **argv)
             send_status(T_SHUTDOWN, id, 0);
             if (frozen)
                 thaw_root();
+            freeze_processes(0);
             power_off();
             break;
         default:

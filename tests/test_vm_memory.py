@@ -1,0 +1,268 @@
+"""Whole-VM checkpoints: real QEMU guests (TCG where KVM does not work) whose
+checkpoints hold RAM and device state with the disk, on a real XFS store.
+
+Each test checks inside the guest what a restore or a fork must bring back:
+the same processes (their pids), their memory (a counter that runs on from
+its checkpoint value, a payload in tmpfs whose hash is unchanged), a server
+that still answers, a clock that is right and a random-number generator
+that two forks do not share.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+
+from blockdiff.errors import VMError
+from blockdiff.store.store import Store
+from blockdiff.vm import machine as machine_module
+from blockdiff.vm import qemu
+from blockdiff.vm.image import build_image
+from blockdiff.vm.sandbox import MEMORY_KEY, Sandbox
+
+IMAGE_CACHE = Path(os.environ.get("BLOCKDIFF_TEST_VM_IMAGE",
+                                  Path.home() / ".cache" / "blockdiff" / "test-vm"))
+MiB = 1 << 20
+# A process of the step: counts into /tmp/counter ten times a second.
+COUNTER = ("(i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done) "
+           ">/dev/null 2>&1 & echo $!")
+# 16 MiB of random bytes in a tmpfs: they live only in guest RAM.
+PAYLOAD = ("mkdir -p /mnt/ram && mount -t tmpfs -o size=32m tmpfs /mnt/ram && "
+           "head -c 16777216 /dev/urandom > /mnt/ram/payload && sha256sum /mnt/ram/payload")
+
+
+@pytest.fixture(scope="session")
+def vm_image():
+    missing = [t for t in (qemu.QEMU, "apt-get", "dpkg-deb", "gcc", "mkfs.ext4")
+               if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"sandbox VMs need {', '.join(missing)} (installed by .ci/setup)")
+    return build_image(IMAGE_CACHE)
+
+
+@pytest.fixture
+def store(xfs):
+    with Store.init(xfs / "store") as st:
+        yield st
+        for box in Sandbox.list(st):
+            box._kill()
+
+
+@pytest.fixture
+def box(store, vm_image):
+    with Sandbox.create(store, "box", image=vm_image.rootfs) as sandbox:
+        assert sandbox.memory_checkpoints   # the default on a reflink store
+        sandbox.start()
+        yield sandbox
+
+
+def run(sandbox: Sandbox, command: str) -> str:
+    result = sandbox.exec(command, timeout=60)
+    assert result.status == 0, (command, result.stderr)
+    return result.stdout.decode()
+
+
+def counter(sandbox: Sandbox) -> int:
+    return int(run(sandbox, "cat /tmp/counter"))
+
+
+def alive(sandbox: Sandbox, pid: int) -> bool:
+    return sandbox.exec(f"kill -0 {pid}").status == 0
+
+
+def payload_hash(sandbox: Sandbox) -> str:
+    return run(sandbox, "sha256sum /mnt/ram/payload").split()[0]
+
+
+def running_step(sandbox: Sandbox) -> tuple[int, str]:
+    """A counter process and a tmpfs payload; their pid and hash."""
+    pid = int(run(sandbox, COUNTER))
+    digest = run(sandbox, PAYLOAD).split()[0]
+    time.sleep(0.5)
+    assert counter(sandbox) > 0
+    return pid, digest
+
+
+def test_processes_and_their_memory_survive_restore_and_fork(store, box):
+    pid, digest = running_step(box)
+    checkpoint = box.checkpoint("running")
+    assert box.last_checkpoint.memory
+    memory_id = store.get(checkpoint).meta[MEMORY_KEY]
+    assert store.get(memory_id).meta["vm.part"] == "memory"
+    at_checkpoint = counter(box)
+    # The step after: the process killed, the payload and a file gone.
+    run(box, f"kill {pid}; rm /mnt/ram/payload; echo later > /later")
+    assert not alive(box, pid)
+    box.checkpoint("after")
+
+    timing = box.restore(checkpoint)
+    assert timing.memory and not timing.rebooted
+    assert alive(box, pid)
+    assert payload_hash(box) == digest
+    assert box.exec("test -e /later").status == 1
+    # The counter runs on from where it was when the checkpoint was taken.
+    first = counter(box)
+    assert at_checkpoint - 2 <= first < at_checkpoint + 20
+    time.sleep(1.0)
+    assert counter(box) > first
+
+    fork = box.fork(checkpoint, "fork")
+    try:
+        assert fork.running and fork.last_restore is None
+        assert alive(fork, pid) and payload_hash(fork) == digest
+        # Forks diverge: what one does the other does not see.
+        run(fork, f"kill {pid}; echo fork > /side")
+        run(box, "echo trunk > /side")
+        assert run(fork, "cat /side") == "fork\n" and not alive(fork, pid)
+        assert run(box, "cat /side") == "trunk\n" and alive(box, pid)
+        forked = fork.checkpoint("in the fork")
+        assert MEMORY_KEY in store.get(forked).meta
+    finally:
+        fork.destroy()
+    assert store.verify() == {}
+
+
+def test_two_forks_of_one_checkpoint_read_different_random_bytes(store, box):
+    run(box, "true")
+    checkpoint = box.checkpoint("base")
+    left = box.fork(checkpoint, "left")
+    right = box.fork(checkpoint, "right")
+    try:
+        reads = [run(vm, "head -c 32 /dev/urandom | od -An -tx1") for vm in (left, right, box)]
+        assert len(set(reads)) == 3, reads
+    finally:
+        left.destroy()
+        right.destroy()
+
+
+def test_the_guest_clock_is_right_after_a_restore(store, box):
+    run(box, "true")
+    checkpoint = box.checkpoint("then")
+    time.sleep(3.0)
+    box.restore(checkpoint)
+    guest = int(run(box, "date +%s"))
+    assert abs(guest - time.time()) < 2.0
+
+
+def test_a_server_started_in_a_step_answers_after_a_restore(store, box):
+    run(box, "ifconfig lo 127.0.0.1 up && mkdir -p /www && echo hello > /www/index.html && "
+             "httpd -p 127.0.0.1:8080 -h /www")
+    assert run(box, "wget -qO- http://127.0.0.1:8080/") == "hello\n"
+    serving = box.checkpoint("server up")
+    run(box, "killall httpd; rm -r /www")
+    assert box.exec("wget -qO- http://127.0.0.1:8080/").status != 0
+    box.checkpoint("server gone")
+    box.restore(serving)
+    assert run(box, "wget -qO- http://127.0.0.1:8080/") == "hello\n"
+
+
+def test_a_qemu_killed_during_a_memory_checkpoint_leaves_the_last_one_restorable(
+        store, box, monkeypatch):
+    pid, digest = running_step(box)
+    good = box.checkpoint("good")
+    nodes = len(store.log())
+    run(box, "echo doomed > /doomed")
+    real = machine_module.wait_for_migration
+
+    def dies_while_saving(q, timeout, what):
+        os.kill(box.pid, signal.SIGKILL)
+        return real(q, timeout, what)
+
+    monkeypatch.setattr(machine_module, "wait_for_migration", dies_while_saving)
+    with pytest.raises(VMError):
+        box.checkpoint("killed")
+    monkeypatch.undo()
+    deadline = time.monotonic() + 10
+    while box.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not box.running
+    assert len(store.log()) == nodes and store.verify() == {}
+    box.restore(good)
+    assert box.running and alive(box, pid) and payload_hash(box) == digest
+    assert box.exec("test -e /doomed").status == 1
+
+
+def test_a_checkpoint_of_another_machine_is_refused_with_what_to_do(
+        store, box, vm_image, monkeypatch):
+    run(box, "echo one > /one")
+    checkpoint = box.checkpoint("one")
+    with Sandbox.create(store, "small", image=vm_image.rootfs, memory_mb=192) as small:
+        with pytest.raises(VMError, match="memory_mb 256 .this VM: 192.*fork"):
+            small.restore(checkpoint)
+        assert not small.running
+        small.restore(checkpoint, disk_only=True)   # the files only
+        assert not small.running
+    monkeypatch.setattr(qemu, "qemu_version", lambda *a: "99.0.0")
+    with pytest.raises(VMError, match="qemu '7.*99.0.0.*--disk-only"):
+        box.restore(checkpoint)
+    assert box.running   # refused before anything was touched
+    timing = box.restore(checkpoint, disk_only=True)
+    assert not timing.memory and not timing.rebooted
+    assert run(box, "cat /one") == "one\n"
+
+
+def test_ram_stored_per_small_step_is_a_few_mib(store, box):
+    run(box, COUNTER)
+    stored = []
+    for k in range(6):
+        run(box, f"echo step{k} > /root/f{k}")
+        box.checkpoint(f"step {k}")
+        stored.append(box.last_checkpoint.memory_bytes)
+    # What the boot put in RAM was committed after the boot, as the base of
+    # the first checkpoint's memory; each step stores only the 4 KiB pages it
+    # changed (and the device state, about 400 KB).
+    base = [s for s in store.log() if s.meta.get("vm.part") == "memory-base"]
+    assert len(base) == 1 and base[0].changed_bytes > 16 * MiB
+    assert statistics.median(stored) < 4 * MiB and max(stored) < 8 * MiB, stored
+
+
+def test_skip_unchanged_skips_only_when_nothing_ran(store, box):
+    run(box, "echo a > /a")
+    first = box.checkpoint("a", skip_unchanged=True)
+    assert box.checkpoint("same", skip_unchanged=True) == first
+    run(box, "true")   # ran, wrote nothing: memory changed
+    second = box.checkpoint("ran", skip_unchanged=True)
+    assert second != first and MEMORY_KEY in store.get(second).meta
+
+
+def test_disk_only_vms_and_checkpoints(store, box, vm_image):
+    run(box, "echo a > /a")
+    disk_only = box.checkpoint("files", memory=False)
+    assert MEMORY_KEY not in store.get(disk_only).meta and not box.last_checkpoint.memory
+    with Sandbox.create(store, "plain", image=vm_image.rootfs, memory=False) as plain:
+        assert not plain.memory_checkpoints
+        plain.start()
+        assert not plain.machine.memory_backed
+        run(plain, "echo p > /p")
+        snap = plain.checkpoint("plain")
+        assert MEMORY_KEY not in store.get(snap).meta
+        assert not plain.status().memory and not plain.status().snapshot_memory
+    assert box.status().memory
+    pid = int(run(box, COUNTER))
+    whole = box.checkpoint("whole")
+    assert box.status().snapshot_memory
+    timing = box.restore(disk_only)
+    assert not timing.memory and not alive(box, pid)
+    timing = box.restore(whole)
+    assert timing.memory and alive(box, pid)
+
+
+def test_a_stopped_vm_or_fork_resumes_from_a_memory_checkpoint(store, box):
+    pid, digest = running_step(box)
+    checkpoint = box.checkpoint("running")
+    box.stop()
+    box.restore(checkpoint)
+    assert box.running and alive(box, pid)
+    fork = box.fork(checkpoint, "later", start=False)
+    try:
+        assert not fork.running
+        fork.start()
+        assert alive(fork, pid) and payload_hash(fork) == digest
+    finally:
+        fork.destroy()
