@@ -16,6 +16,7 @@ whose checkpoints hold its memory too) is one :func:`register` call.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,8 +24,8 @@ from pathlib import Path
 from typing import Protocol
 
 from blockdiff.errors import AgentError
-from blockdiff.store.store import Store, as_store
-from blockdiff.vm.sandbox import Sandbox
+from blockdiff.store.store import Store, UnknownSnapshot, as_store
+from blockdiff.vm.sandbox import MEMORY_KEY, Sandbox
 
 
 class Disk(Protocol):
@@ -122,6 +123,18 @@ def fork_disk(store: Store, binding: str | None, snapshot_id: str | None,
         return None
     kind, where = _kind_of(binding)
     return kind.fork(store, where, snapshot_id, new_name)
+
+
+def remove_disk_snapshot(store: Store, snapshot_id: str) -> None:
+    """Remove a disk snapshot no checkpoint needs any more, with what belongs
+    to it: a whole-VM checkpoint's memory snapshot, which nothing else
+    names. ``UnknownSnapshot`` if the disk snapshot is gone already."""
+    snap = store.get(snapshot_id)
+    store.rm(snap.id)
+    memory = (snap.meta or {}).get(MEMORY_KEY)
+    if memory:
+        with contextlib.suppress(UnknownSnapshot):
+            store.rm(memory)
 
 
 def _fork_image(store: Store, path: str, snapshot_id: str, new_name: str) -> ImageDisk:

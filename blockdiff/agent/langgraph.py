@@ -88,6 +88,7 @@ from langgraph.checkpoint.base import (
     get_checkpoint_metadata,
 )
 
+from blockdiff.agent.disks import remove_disk_snapshot
 from blockdiff.db import Database, Migrations, connect, migrate, schema_version
 from blockdiff.errors import (
     DatabaseError,
@@ -804,7 +805,7 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
                     # own) that an unchanged disk reused is not the saver's.
                     if "langgraph.checkpoint" not in (snap.meta or {}):
                         continue
-                    store.rm(snapshot_id)
+                    remove_disk_snapshot(store, snapshot_id)
                 except UnknownSnapshot:
                     continue        # removed already, or in another store
                 except Exception as e:      # the rest are still removed

@@ -790,11 +790,12 @@ class AgentDB:
                 "SELECT DISTINCT disk_snapshot FROM checkpoints WHERE disk_snapshot IS NOT NULL")}
             db.execute("DELETE FROM environments WHERE id NOT IN (SELECT environment "
                        "FROM checkpoints WHERE environment IS NOT NULL)")
+        from blockdiff.agent.disks import remove_disk_snapshot
         from blockdiff.store.store import UnknownSnapshot
 
         for snapshot in {c.disk_snapshot for c in expired if c.disk_snapshot} - still_used:
             with contextlib.suppress(UnknownSnapshot):
-                self.store.rm(snapshot)
+                remove_disk_snapshot(self.store, snapshot)
         return expired
 
     def tree(self, label: Callable[[str], str] = str) -> str:

@@ -101,9 +101,19 @@ def vm_create(name, store_path, image, snapshot_id, kernel, memory, cpus, disk_o
     from blockdiff.vm.sandbox import Sandbox
 
     with progress_bar("vm create") as progress:
-        box = Sandbox.create(open_store(store_path), name, image=image, snapshot=snapshot_id,
-                             kernel=kernel, memory_mb=memory, cpus=cpus,
-                             memory=False if disk_only else None, progress=progress)
+        if snapshot_id is not None and image is None:
+            # From a checkpoint with memory, the VM resumes its processes
+            # when started (also on another host of a shared store).
+            box = Sandbox.from_checkpoint(open_store(store_path), snapshot_id, name,
+                                          start=False, disk_only=disk_only, kernel=kernel,
+                                          memory_mb=memory, cpus=cpus,
+                                          memory=False if disk_only else None,
+                                          progress=progress)
+        else:
+            box = Sandbox.create(open_store(store_path), name, image=image,
+                                 snapshot=snapshot_id, kernel=kernel, memory_mb=memory,
+                                 cpus=cpus, memory=False if disk_only else None,
+                                 progress=progress)
     kind = "whole-VM" if box.memory_checkpoints else "disk-only"
     click.echo(f"created VM {name} ({kind} checkpoints)")
 

@@ -15,6 +15,7 @@ runs (see :mod:`blockdiff.vm.machine`) and what the checkpoint protocol keeps
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -81,6 +82,13 @@ class Registry:
         self.root = Path(os.path.abspath(store.root)) / "vms"
         self.kernels = self.root / ".kernels"
         self.store_root = store.root
+        self._store = store
+
+    @property
+    def remote(self):
+        """A shared store's object store, which keeps its kernels too so that
+        a VM's snapshot boots on any host; None for a store of one host."""
+        return self._store.remote if self._store.shared is not None else None
 
     def entry(self, name: str) -> VMEntry:
         """VM ``name``; UnknownVM if there is none."""
@@ -150,6 +158,8 @@ class Registry:
             return Path(image).parent
         if snapshot is not None and snapshot.meta.get("vm.kernel"):
             installed = self.kernels / snapshot.meta["vm.kernel"]
+            if not all((installed / f).is_file() for f in KERNEL_FILES) and self.remote:
+                self._fetch_kernel(snapshot.meta["vm.kernel"])
             if all((installed / f).is_file() for f in KERNEL_FILES):
                 return installed
         raise UsageError("no kernel for the VM: pass --kernel DIR, a directory made by: "
@@ -166,4 +176,31 @@ class Registry:
             target.mkdir(parents=True, exist_ok=True)
             for f in KERNEL_FILES:
                 copy_file(source / f, target / f)
+        if self.remote is not None:
+            for f in KERNEL_FILES:     # once: an object already there is left as it is
+                self.remote.put_file(f"kernels/{key}/{f}", target / f)
         return key
+
+    def _fetch_kernel(self, key: str) -> None:
+        """Bring a kernel another host installed from the object store, kept
+        only if its files hash to its name (the key is their content's)."""
+        if not re.fullmatch(r"[0-9a-f]{16}", key):
+            return
+        staging = self.kernels / f".{key}.{os.getpid()}"
+        try:
+            staging.mkdir(parents=True)
+            for f in KERNEL_FILES:
+                info = self.remote.stat(f"kernels/{key}/{f}")
+                if info is None:
+                    return
+                self.remote.get_file(f"kernels/{key}/{f}", staging / f, info.size)
+            got = hashlib.sha256("".join(sha256_file(staging / f) for f in KERNEL_FILES)
+                                 .encode()).hexdigest()[:16]
+            if got != key:
+                raise VMError(f"kernel {key} in the object store does not match its name; "
+                              f"install it again from a host that has it (blockdiff vm "
+                              f"create --kernel DIR)")
+            with contextlib.suppress(FileExistsError, OSError):
+                os.rename(staging, self.kernels / key)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)

@@ -588,16 +588,42 @@ class Sandbox:
         processes running on independently of this VM's, with a clock and a
         random-number state of its own; stopped (``start`` False), it resumes
         when started."""
-        snap = self.store.get(snapshot_id)
-        memory_snap = None if disk_only else self._memory_snapshot(snap)
-        memory_mb, cpus = self.vm.memory_mb, self.vm.cpus
+        return Sandbox.from_checkpoint(self.store, snapshot_id, new_name, start=start,
+                                       timeout=timeout, disk_only=disk_only,
+                                       kernel=self.vm.kernel_dir, memory_mb=self.vm.memory_mb,
+                                       cpus=self.vm.cpus, memory=self.memory_checkpoints,
+                                       progress=progress)
+
+    @classmethod
+    def from_checkpoint(cls, store: Store | str | os.PathLike, snapshot_id: str, name: str, *,
+                        start: bool = True, timeout: float = DEFAULT_BOOT_TIMEOUT,
+                        disk_only: bool = False, kernel: str | os.PathLike | None = None,
+                        memory_mb: int = 256, cpus: int = 1, memory: bool | None = None,
+                        progress: Progress = NO_PROGRESS) -> "Sandbox":
+        """A new VM ``name`` from a checkpoint, with no VM of its own needed:
+        what :meth:`fork` does, and what another host of a shared store does
+        to take a sandbox over (its kernel comes from the snapshot, fetched
+        if need be). From a checkpoint with memory (unless ``disk_only``) it
+        takes the checkpoint's memory size and CPUs and resumes its processes
+        instead of booting (when started, if ``start`` is False); otherwise
+        ``memory_mb`` and ``cpus``, and a boot."""
+        store = as_store(store)
+        snap = store.get(snapshot_id)
+        memory_snap = None
+        if not disk_only and snap.meta.get(MEMORY_KEY) is not None:
+            try:
+                memory_snap = store.get(snap.meta[MEMORY_KEY])
+            except UnknownSnapshot:
+                raise VMError(f"the memory of checkpoint {snap.id} (snapshot "
+                              f"{snap.meta[MEMORY_KEY]}) is no longer in the store; start "
+                              f"from its disk only (--disk-only)") from None
         if memory_snap is not None:
             recorded = recorded_machine(memory_snap)
             memory_mb = recorded.get("memory_mb", memory_mb)
             cpus = recorded.get("cpus", cpus)
-        other = Sandbox.create(self.store, new_name, snapshot=snap.id,
-                               kernel=self.vm.kernel_dir, memory_mb=memory_mb, cpus=cpus,
-                               memory=self.memory_checkpoints, progress=progress)
+        other = Sandbox.create(store, name, snapshot=snap.id, kernel=kernel,
+                               memory_mb=memory_mb, cpus=cpus, memory=memory,
+                               progress=progress)
         if memory_snap is not None:
             try:
                 other._check_machine(snap, memory_snap, other.machine)
