@@ -54,7 +54,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import objectstore
+import postgres
 import pytest
+from test_shared import host_b_dir, second_xfs  # noqa: F401  (fixtures)
+
+seaweedfs, s3_env = objectstore.seaweedfs, objectstore.s3_env
+postgres_server, postgres_url = postgres.postgres_server, postgres.postgres_url
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -107,6 +113,7 @@ CLAIMED = {
     ("console", "Agent checkpoints"): "test_agent_example_with_the_charge_service",
     ("python", "Agent checkpoints"): "test_sandbox_and_agent_python_examples",
     ("python", "Library"): "test_library_python_example",
+    ("console", "Several hosts"): "test_several_hosts_console_example",
 }
 
 
@@ -420,6 +427,19 @@ def test_sandbox_vm_console_example(xfs):
             s.run_block(block("console", "Sandbox VMs").text)
     finally:
         _kill_vms(xfs / "srv" / "sandboxes" / "store")
+
+
+def test_several_hosts_console_example(xfs, host_b_dir, postgres_url, s3_env):
+    """Two hosts (the README's /srv/sandboxes and /srv/host-b, here two XFS
+    filesystems) of one store, its catalog a database of a real PostgreSQL
+    server and its objects in a real SeaweedFS bucket, each in the README's
+    place."""
+    import uuid
+    with session(xfs) as s:
+        s.paths = [("postgresql://blockdiff@db.internal/sandboxes", postgres_url),
+                   ("s3://sandboxes/store", f"s3://{s3_env.bucket}/{uuid.uuid4().hex}"),
+                   ("/srv/host-b/", f"{host_b_dir}/")] + s.paths
+        s.run_block(block("console", "Several hosts").text)
 
 
 def _python(source: str, scratch: Path) -> str:

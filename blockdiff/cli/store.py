@@ -74,9 +74,9 @@ def init(directory, allow_copy, group, catalog, remote):
         if store.shared is None:
             click.echo(f"initialised store {directory}")
         else:
-            click.echo(f"initialised store {directory}: host {printable(store.shared.name)} "
-                       f"of the shared store at {printable(store.shared.catalog)}, objects in "
-                       f"{printable(store.catalog.setting('remote'))}")
+            click.echo(f"initialised store {directory}, a host of the shared store at "
+                       f"{printable(store.shared.catalog)} (objects in "
+                       f"{printable(store.catalog.setting('remote'))})")
 
 
 @click.command()
