@@ -220,7 +220,7 @@ def test_json_of_the_store_commands(line, xfs):
     fork = as_json("restore", "--store", root, ids[0], xfs / "fork.img")
     assert fork == {"snapshot": ids[0], "image": str(xfs / "fork.img"), "forked": True,
                     "ranges": fork["ranges"], "bytes": fork["bytes"], "tracked": False,
-                    "checked_bytes": fork["checked_bytes"]}
+                    "checked_bytes": fork["checked_bytes"], "fetched_bytes": 0}
     diff = as_json("diff", "--store", root, ids[0], ids[1])
     assert diff["ranges"] == [{"offset": BLOCK, "length": BLOCK, "kind": "data"}]
     exported = as_json("export", "--store", root, ids[1], xfs / "one.bdx")
@@ -237,7 +237,7 @@ def test_json_of_the_store_commands(line, xfs):
     time.sleep(1.1)
     would = as_json("gc", "--store", root, "--dry-run")
     assert would == {"removed": [record["id"]], "reasons": {record["id"]: would["reasons"][
-        record["id"]]}, "bytes_freed": None, "dry_run": True}
+        record["id"]]}, "bytes_freed": None, "dry_run": True, "evicted": 0}
     gone = as_json("gc", "--store", root)
     assert gone["removed"] == [record["id"]] and gone["dry_run"] is False
     assert isinstance(gone["bytes_freed"], int)
@@ -274,15 +274,15 @@ def test_json_of_the_vm_commands_on_a_stopped_vm(xfs):
     cli("vm", "create", "box", "--image", image, "--kernel", kernel, env=env)
     (root_snapshot,) = [s["id"] for s in as_json("log", env=env)]
     snap = as_json("vm", "snapshot", "box", "-m", "stopped", env=env)
-    assert set(snap) == {"id", "vm", "timing"} and snap["vm"] == "box"
+    assert set(snap) == {"id", "vm", "timing", "memory"} and snap["vm"] == "box"
     assert snap["timing"] is None            # a stopped VM is committed without a pause
     back = as_json("vm", "restore", "box", root_snapshot[:6], env=env)
     assert back["snapshot"] == root_snapshot and back["running"] is False
-    assert set(back) == {"vm", "snapshot", "running", "seconds", "rebooted", "tracked"}
+    assert set(back) == {"vm", "snapshot", "running", "seconds", "rebooted", "tracked", "memory"}
     human = cli("vm", "restore", "box", snap["id"][:8], env=env).stdout
     assert human.startswith(f"VM box at {snap['id']} (stopped")
     forked = as_json("vm", "fork", "box", snap["id"][:8], "box2", "--no-start", env=env)
-    assert forked == {"vm": "box2", "forked_from": snap["id"], "running": False}
+    assert forked == {"vm": "box2", "forked_from": snap["id"], "running": False, "memory": False}
     cli("vm", "create", "box3", "--from", root_snapshot[:5].upper(), env=env)
     assert {s["name"]: s["snapshot"] for s in as_json("vm", "ls", env=env)} == {
         "box": snap["id"], "box2": snap["id"], "box3": root_snapshot}
