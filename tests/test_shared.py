@@ -486,3 +486,30 @@ def test_an_unreachable_or_newer_catalog_is_one_clear_line(xfs, tmp_path, bucket
     done = cli("log", "--store", xfs / "a", check=False)
     assert done.returncode == 13 and "newer blockdiff" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_host_with_a_cache_size_keeps_its_copies_under_it(xfs, host_b_dir, catalog,
+                                                            bucket_url, tmp_path):
+    a = Store.init(xfs / "store", catalog=catalog, remote=bucket_url)
+    b = Store.init(host_b_dir / "store", catalog=catalog, cache_size=256 * 1024)
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    rng = np.random.default_rng(11)
+    image = xfs / "disk.img"
+    new_image(image, rng)                                    # a root layer of 5 MiB
+    ids = commit_line(a, image, keep, rng, 4)
+
+    def held() -> int:
+        return sum(os.stat(b.layer_path(x)).st_blocks * 512 for x in b.catalog.copies_here())
+
+    for sid in ids:
+        b.restore(sid, host_b_dir / f"x-{sid}")
+        assert filecmp.cmp(host_b_dir / f"x-{sid}", keep / sid, shallow=False)
+        assert held() <= 256 * 1024
+    # What was evicted comes back when needed.
+    b.restore(ids[0], host_b_dir / "again.img")
+    assert filecmp.cmp(host_b_dir / "again.img", keep / ids[0], shallow=False)
+    with pytest.raises(UsageError, match="give --catalog too"):
+        Store.init(tmp_path / "plain", cache_size=1)
+    a.close()
+    b.close()

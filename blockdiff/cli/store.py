@@ -55,7 +55,10 @@ def _removal_dict(result, *, dry_run: bool) -> dict:
 @click.option("--remote", metavar="s3://BUCKET/PREFIX",
               help="The shared store's object store (the first host names it; the endpoint "
                    "and credentials come from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...).")
-def init(directory, allow_copy, group, catalog, remote):
+@click.option("--cache-size", callback=parse_size, metavar="SIZE",
+              help="In a shared store: keep at most SIZE (e.g. 50G) of layers on this host, "
+                   "evicting the least recently used uploaded ones after a fetch.")
+def init(directory, allow_copy, group, catalog, remote, cache_size):
     """Make a snapshot store in DIRECTORY (on XFS with reflink, or btrfs).
 
     The store is readable by its owner only, unless --group is given. With
@@ -70,7 +73,7 @@ def init(directory, allow_copy, group, catalog, remote):
     from blockdiff.store.store import Store
 
     with Store.init(directory, allow_copy=allow_copy, group=group, catalog=catalog,
-                    remote=remote) as store:
+                    remote=remote, cache_size=cache_size) as store:
         if store.shared is None:
             click.echo(f"initialised store {directory}")
         else:

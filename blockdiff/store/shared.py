@@ -60,6 +60,7 @@ class SharedConfig:
     catalog: str     # the catalog's URL without a password, or a SQLite file's absolute path
     host: str        # this host's id in the catalog
     name: str        # what messages call this host
+    cache_size: int | None = None   # bytes of layer copies kept here (None: no limit)
 
     def write(self, root: Path) -> None:
         """Write the file (private, never over one)."""
@@ -84,8 +85,12 @@ def read_config(root: Path) -> SharedConfig | None:
         if data.pop("version") != 1:
             raise ValueError("an unknown version")
         config = SharedConfig(**data)
-        if not all(isinstance(v, str) and v for v in asdict(config).values()):
+        if not all(isinstance(v, str) and v for v in (config.catalog, config.host,
+                                                        config.name)):
             raise ValueError("empty fields")
+        if config.cache_size is not None and (type(config.cache_size) is not int
+                                              or config.cache_size < 0):
+            raise ValueError("a cache size that is not a number of bytes")
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise StoreError(f"{path} is damaged ({e}); it says where the shared catalog is: "
                          f"write it again, or join the store anew with blockdiff init") from None

@@ -140,7 +140,7 @@ class Store(StoreState):
     @classmethod
     def init(cls, root: str | os.PathLike, *, allow_copy: bool = False,
              group: str | int | None = None, catalog: str | None = None,
-             remote: str | None = None) -> "Store":
+             remote: str | None = None, cache_size: int | None = None) -> "Store":
         """Make a new, empty store in ``root`` (created if missing).
 
         The store is private to its owner; with ``group`` (a name or gid) that
@@ -153,13 +153,15 @@ class Store(StoreState):
         on one machine) and ``remote`` (``s3://BUCKET/PREFIX``), the store is
         this host's part of a store shared by several (blockdiff.store.shared):
         the first host makes the shared catalog, later ones join it (and may
-        leave ``remote`` out: the catalog knows it)."""
+        leave ``remote`` out: the catalog knows it). ``cache_size``: the bytes
+        of layer copies the host keeps, the least recently used uploaded ones
+        evicted after a restore or pull brings it over (None: no limit)."""
         if catalog is not None:
             return cls._init_shared(Path(root), catalog, remote, allow_copy=allow_copy,
-                                    group=group)
-        if remote is not None:
-            raise UsageError("--remote needs --catalog: the object store is shared through "
-                             "a shared catalog")
+                                    group=group, cache_size=cache_size)
+        if remote is not None or cache_size is not None:
+            raise UsageError(f"--{'remote' if remote is not None else 'cache-size'} is for a "
+                             f"store shared by several hosts: give --catalog too")
         root = Path(root)
         gid = None
         if group is not None:
@@ -213,7 +215,7 @@ class Store(StoreState):
 
     @classmethod
     def _init_shared(cls, root: Path, target: str, remote: str | None, *, allow_copy: bool,
-                     group) -> "Store":
+                     group, cache_size: int | None) -> "Store":
         """Make ``root`` a host's store of the shared catalog at ``target``."""
         from blockdiff.store.remote import normal_url
         refuse_options(allow_copy=allow_copy, group=group)
@@ -266,7 +268,7 @@ class Store(StoreState):
                 shared.join(host, name)
             finally:
                 shared.close()
-            SharedConfig(public, host, name).write(root)
+            SharedConfig(public, host, name, cache_size).write(root)
             fsync_dir(root)
         except BaseException:
             for name in (SHARED_FILE, PASSFILE, "lock", "reserve"):
@@ -414,7 +416,15 @@ class Store(StoreState):
 
     def pull(self, snapshot_id: str) -> int:
         """Fetch what a snapshot needs onto this host; the bytes downloaded."""
-        return replication.pull(self, snapshot_id)
+        fetched = replication.pull(self, snapshot_id)
+        if fetched:
+            self._keep_cache()
+        return fetched
+
+    def _keep_cache(self) -> None:
+        """After a fetch: evict down to the host's cache size, if it has one."""
+        if self.shared is not None and self.shared.cache_size is not None:
+            replication.evict(self, self.shared.cache_size)
 
     def placement(self) -> list[replication.Placement]:
         """Where every snapshot is, newest first: here or not, durable or not."""
@@ -458,7 +468,10 @@ class Store(StoreState):
         ``progress`` hears of the layer bytes a fork checks (an in-place
         restore reads only the little it rewrites).
         """
-        return images.restore(self, snapshot_id, image, written=written, progress=progress)
+        result = images.restore(self, snapshot_id, image, written=written, progress=progress)
+        if result.fetched_bytes:
+            self._keep_cache()
+        return result
 
     # ------------------------------------------------------------ transfer
 
