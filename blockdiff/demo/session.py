@@ -232,12 +232,16 @@ def run(workdir: str | os.PathLike | None = None, *, size: int = 512 * MiB, step
 GUEST_STEPS = [
     ("write a project", "mkdir -p /work && cd /work && "
                         "printf 'print(\"hello\")\\n' > app.py && echo v1 > VERSION"),
-    ("install dependencies", "mkdir -p /work/deps && head -c 8388608 /dev/urandom > "
-                             "/work/deps/lib.so && echo v2 > /work/VERSION"),
-    ("a bad refactor", "rm -rf /work/deps && echo broken > /work/app.py && "
-                       "echo v3 > /work/VERSION"),
+    # The step starts a dev server: a process, alive only in the guest's memory.
+    ("install dependencies and start the dev server",
+     "mkdir -p /work/deps && head -c 8388608 /dev/urandom > /work/deps/lib.so && "
+     "echo v2 > /work/VERSION && ifconfig lo 127.0.0.1 up && httpd -p 127.0.0.1:8080 -h /work"),
+    ("a bad refactor that kills the server", "rm -rf /work/deps && echo broken > /work/app.py "
+                                             "&& echo v3 > /work/VERSION && killall httpd"),
 ]
 GUEST_STATE = "cd /work && find . -type f | sort | xargs md5sum"
+# What the dev server answers (nothing once it is gone).
+GUEST_SERVER = "wget -qO- http://127.0.0.1:8080/VERSION"
 
 
 def _sandbox_steps(store, root: Path, image_dir, emit, timed) -> bool:
@@ -273,20 +277,29 @@ def _sandbox_steps(store, root: Path, image_dir, emit, timed) -> bool:
             t = box.last_checkpoint
             emit(f"guest step: {what}", t.total,
                  f"checkpoint {snapshot_id}: VM paused {t.paused * 1000:.1f} ms")
+        check(box.exec(GUEST_SERVER).status != 0, "the dev server outlived its last step")
         timing = box.restore(ids[1])
         check(box.exec(GUEST_STATE).stdout == states[1],
               f"the guest's files after the restore to {ids[1]} differ from that step's")
+        check(box.exec(GUEST_SERVER).stdout == b"v2\n",
+              f"the dev server started at {ids[1]} does not answer after the restore")
+        how = ("resumed from the checkpoint's memory: the dev server started in that step "
+               "answers again" if timing.memory else "no reboot: the disk was swapped")
         emit(f"restore the running VM to '{GUEST_STEPS[1][0]}'", timing.seconds,
-             "no reboot: the disk was swapped under the guest; its files verified")
-        branch, seconds = timed(lambda: box.fork(ids[0], "branch"))
+             f"{how}; its files verified")
+        branch, seconds = timed(lambda: box.fork(ids[1], "branch"))
         stack.callback(branch.destroy)
-        check(branch.exec(GUEST_STATE).stdout == states[0],
-              f"the forked VM's files differ from those of {ids[0]}")
+        check(branch.exec(GUEST_STATE).stdout == states[1],
+              f"the forked VM's files differ from those of {ids[1]}")
+        check(not box.memory_checkpoints or branch.exec(GUEST_SERVER).stdout == b"v2\n",
+              "the dev server does not answer in the fork")
         check(branch.exec("echo other > /work/VERSION").status == 0,
               "the forked VM could not write its disk")
         check(box.exec("cat /work/VERSION").stdout == b"v2\n", "the fork changed its parent")
-        emit(f"fork a second VM from '{GUEST_STEPS[0][0]}'", seconds,
-             "booted; the two VMs change independently")
+        emit(f"fork a second VM from '{GUEST_STEPS[1][0]}'", seconds,
+             ("no boot: it resumed from the checkpoint's memory, its dev server answering; "
+              if box.memory_checkpoints else "booted; ")
+             + "the two VMs change independently")
         box.stop()
         probe = root / "vm-check.img"
         store.restore(ids[2], box.disk)
