@@ -535,13 +535,20 @@ class Catalog:
     def uploads(self, layers) -> dict[int, tuple[int | None, float | None]]:
         """``(size, uploaded)`` of each of ``layers`` that has a record
         (uploaded None: not in the object store yet)."""
+        wanted = sorted({int(x) for x in layers})
         found = {}
-        for layer in {int(x) for x in layers}:
-            row = self.db.execute("SELECT size, uploaded FROM layers WHERE layer = ?",
-                                  (layer,)).fetchone()
-            if row is not None:
-                found[layer] = (row[0], row[1])
+        for first in range(0, len(wanted), 500):
+            batch = wanted[first:first + 500]
+            found.update((layer, (size, uploaded)) for layer, size, uploaded in self.db.execute(
+                f"SELECT layer, size, uploaded FROM layers WHERE layer IN "
+                f"({', '.join('?' * len(batch))})", batch))
         return found
+
+    def not_uploaded(self, snapshot: Snapshot) -> int:
+        """How many of the layers ``snapshot`` uses are not in the object store."""
+        return self.db.execute(
+            "SELECT COUNT(*) FROM layer_refs r JOIN layers l ON l.layer = r.layer "
+            "WHERE r.snapshot = ? AND l.uploaded IS NULL", (snapshot.seq,)).fetchone()[0]
 
     def pending_layers(self) -> list[int]:
         """Layers this host holds that are not in the object store yet, oldest first."""

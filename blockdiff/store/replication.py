@@ -193,11 +193,8 @@ def placement_of(store: StoreState, snap: Snapshot) -> Placement:
     catalog = store.catalog
     if store.shared is None:
         return Placement(snap.id, None, True, False)
-    layers = catalog.layers_of(snap)
-    uploads = catalog.uploads(layers)
-    copies = catalog.copies_here()
-    here = store.map_path(snap).exists() and layers <= set(copies)
-    durable = all(uploads.get(x, (None, None))[1] is not None for x in layers)
+    here = store.map_path(snap).exists() and catalog.copies_cover(snap, float("inf"))
+    durable = catalog.not_uploaded(snap) == 0
     cursor = snap
     while durable:
         durable = catalog.map_upload(cursor)[1] is not None
