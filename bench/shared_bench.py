@@ -21,9 +21,11 @@ SQLite file) and one bucket of a SeaweedFS server started for the run.
   image from the same object store (boto3's ``download_file``), and for (a)
   the same bytes B fetched, downloaded by raw parallel ranged GETs (boto3,
   8 MiB ranges, 8 at a time) into /dev/null: what the object store alone needs.
-- **push**: ``Store.push`` of the first snapshot (its layer holds the data
-  written before it) against boto3's ``upload_file`` (s3transfer multipart,
-  8 MiB parts, 10 threads) of the same file.
+- **push**: the upload a push makes of the first snapshot's layer (the data
+  written before it; ``S3Remote.put_file``: the digest taken first, every
+  part checked, conditional writes), to a key of its own, against boto3's
+  ``upload_file`` (s3transfer multipart, 8 MiB parts, 10 threads) of the same
+  file.
 - **checkpoint latency**: agent checkpoints with a 2 MiB step on the shared
   store (uploads in the background) against the same agent on a store of one
   host with its SQLite catalog.
@@ -145,7 +147,7 @@ def shared_catalog(kind: str, work: Path):
         yield str(work / "catalog.sqlite"), "SQLite file"
         return
     from postgres import running_postgres
-    with running_postgres(work / "postgres") as server:
+    with running_postgres() as server:
         yield server.create_database("bench"), "PostgreSQL"
 
 

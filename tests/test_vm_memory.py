@@ -266,3 +266,28 @@ def test_a_stopped_vm_or_fork_resumes_from_a_memory_checkpoint(store, box):
         assert alive(fork, pid) and payload_hash(fork) == digest
     finally:
         fork.destroy()
+
+
+def test_the_agent_chooses_per_checkpoint_and_a_rewind_brings_processes_back(store, box):
+    from blockdiff.agent import Agent, Tool
+
+    paid = []
+    with Agent(store, "t", disk=box,
+               tools=[Tool("pay", lambda args, rid: paid.append(rid) or {"ok": True},
+                           idempotent=True)]) as agent:
+        with agent.step("look around", memory=False):
+            run(box, "ls / > /dev/null")
+        looked = agent.db.checkpoint(agent.head).disk_snapshot
+        assert MEMORY_KEY not in store.get(looked).meta        # a read-only step: disk only
+        with agent.step("start a job and pay", memory=False) as step:
+            pid, digest = running_step(box)
+            step.call("pay", {"amount": 1})
+        paying = agent.head
+        # An external call checkpoints the processes whatever the step asked.
+        assert MEMORY_KEY in store.get(agent.db.checkpoint(paying).disk_snapshot).meta
+        with agent.step("stop the job"):
+            run(box, f"kill {pid}")
+        assert not alive(box, pid)
+        agent.rewind(paying)
+        assert alive(box, pid) and payload_hash(box) == digest
+        assert len(paid) == 1                                   # the call is not made again

@@ -141,16 +141,21 @@ def request_id(base: str, position: int, kind: str = "call") -> str:
 
 
 def _disk_snapshot(disk: Disk | None, thread_id: str, reason: str,
-                   parent: Checkpoint | None) -> str | None:
+                   parent: Checkpoint | None, memory: bool | None = None) -> str | None:
     """The disk snapshot of a new agent checkpoint of ``thread_id``: the disk
-    committed (a new snapshot only if it changed), or without a disk the
-    parent's."""
+    committed (a new snapshot only if it changed), with the sandbox's
+    processes if ``memory`` (None: as the disk does by default), or without
+    a disk the parent's."""
     if disk is None:
         return parent.disk_snapshot if parent else None
     # No TTL on the disk snapshot: the store's gc does not know which one a
     # thread's head needs; AgentDB.gc removes them.
+    # Only a disk that can hold processes (a sandbox VM) is told whether to:
+    # a disk of the caller's own need not know the option.
+    choice = {"memory": memory} if memory is not None and hasattr(
+        disk, "memory_checkpoints") else {}
     return disk.checkpoint(f"agent {thread_id}: {reason}", {"agent.thread": thread_id},
-                           skip_unchanged=True)
+                           skip_unchanged=True, **choice)
 
 
 def _canonical(value) -> bytes:
@@ -394,18 +399,22 @@ class Agent:
     def _load(self, checkpoint_id: str) -> None:
         self.state, self.messages = self.db.load(checkpoint_id)
 
-    def checkpoint(self, reason: str = "manual", meta: dict | None = None) -> CheckpointResult:
+    def checkpoint(self, reason: str = "manual", meta: dict | None = None, *,
+                   memory: bool | None = None) -> CheckpointResult:
         """Record the state, the messages and the disk as a new node after the
-        head; skipped (the head's id returned) when none of them changed."""
+        head; skipped (the head's id returned) when none of them changed.
+        ``memory``: a sandbox VM's running processes too (True), its disk
+        only (False), or as the sandbox does by default (None)."""
         if self._step is not None:
             raise AgentError("checkpoints are taken between steps; this one is inside a step")
-        return self._checkpoint(reason, meta or {})
+        return self._checkpoint(reason, meta or {}, memory=memory)
 
-    def _checkpoint(self, reason: str, meta: dict, *, force: bool = False) -> CheckpointResult:
+    def _checkpoint(self, reason: str, meta: dict, *, force: bool = False,
+                    memory: bool | None = None) -> CheckpointResult:
         start = time.monotonic()
         head = self.db.checkpoint(self.head) if self.head else None
         disk_started = time.monotonic()
-        disk_snapshot = _disk_snapshot(self.disk, self.thread_id, reason, head)
+        disk_snapshot = _disk_snapshot(self.disk, self.thread_id, reason, head, memory)
         disk_seconds = 0.0
         if self.disk is not None:
             disk_seconds = time.monotonic() - disk_started
@@ -443,13 +452,18 @@ class Agent:
 
     # ------------------------------------------------------------- steps
 
-    def step(self, name: str = "", meta: dict | None = None) -> "Step":
+    def step(self, name: str = "", meta: dict | None = None, *,
+             memory: bool | None = None) -> "Step":
         """A unit of work: ``with agent.step("fetch page 2") as s: ...``. On a
         clean exit the thread is checkpointed; on an exception nothing is, and
-        the in-memory state goes back to the head."""
+        the in-memory state goes back to the head. ``memory`` is the
+        checkpoint's (see :meth:`checkpoint`): False for a step that only
+        reads, whose sandbox processes need not come back; a step that made
+        an external call (an irreversible action) checkpoints the processes
+        anyway, so that a resume carries on exactly after it."""
         if self._step is not None:
             raise AgentError("steps do not nest")
-        return Step(self, name, meta or {})
+        return Step(self, name, meta or {}, memory)
 
     def approval(self, action, *, ttl: float | None = 3600.0) -> Approval:
         """Ask a human to approve ``action`` (anything JSON-serialisable).
@@ -468,7 +482,8 @@ class Agent:
         again = count + 1 if seen_head == self.head else 0
         if self.head is None or self.db.approval(
                 request_id(self.head, again, "approval")) is None:
-            self._checkpoint("approval", {"approval": True})
+            # The whole sandbox: the run stops here until a human decides.
+            self._checkpoint("approval", {"approval": True}, memory=True)
         # Several approvals asked at one head (nothing changed in between) are
         # told apart by their order, which a replay repeats.
         seen_head, count = self._approvals_asked
@@ -666,12 +681,14 @@ class Agent:
 class Step:
     """The body of ``with agent.step(...)``: see :meth:`Agent.step`."""
 
-    def __init__(self, agent: Agent, name: str, meta: dict):
+    def __init__(self, agent: Agent, name: str, meta: dict, memory: bool | None = None):
         self.agent = agent
         self.name = name
         self.meta = meta
+        self.memory = memory
         self.base: str | None = None
         self.calls = 0
+        self.external_calls = 0
         self.result: CheckpointResult | None = None
 
     @property
@@ -702,6 +719,8 @@ class Step:
                              f"that the step's start is the checkpoint right before it")
         position = self.calls
         self.calls += 1
+        if definition is not None and definition.external:
+            self.external_calls += 1
         return self.agent._call(self.base, position, tool, args or {})
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -715,8 +734,9 @@ class Step:
                 agent.disk.restore(head.disk_snapshot)
             return
         reason = "tool_call" if self.calls else "step"
+        memory = True if self.external_calls else self.memory
         self.result = agent._checkpoint(reason, {"step": self.name, "calls": self.calls}
-                                        | self.meta)
+                                        | self.meta, memory=memory)
 
 
 # ------------------------------------------------------- other processes

@@ -32,8 +32,10 @@ class Disk(Protocol):
     """What the agent layer needs of a sandbox disk."""
 
     def checkpoint(self, message: str = "", meta: dict | None = None, ttl: float | None = None,
-                   skip_unchanged: bool = False) -> str:
-        """Take a disk snapshot into the store; its id."""
+                   skip_unchanged: bool = False, memory: bool | None = None) -> str:
+        """Take a disk snapshot into the store; its id. ``memory``: whether
+        a sandbox that can also checkpoint its running processes does (None:
+        as it does by default; a disk without processes ignores it)."""
 
     def restore(self, snapshot_id: str):
         """Put the disk back to the disk snapshot ``snapshot_id``."""
@@ -47,8 +49,9 @@ class ImageDisk:
         self.path = os.fspath(path)
 
     def checkpoint(self, message: str = "", meta: dict | None = None, ttl: float | None = None,
-                   skip_unchanged: bool = False) -> str:
-        """Commit the image to the store; the disk snapshot's id."""
+                   skip_unchanged: bool = False, memory: bool | None = None) -> str:
+        """Commit the image to the store; the disk snapshot's id (an image
+        has no processes: ``memory`` changes nothing)."""
         return self.store.commit(self.path, message=message, meta=meta, ttl=ttl,
                                  skip_unchanged=skip_unchanged).id
 
