@@ -264,9 +264,14 @@ def test_vm_create_start_and_fork_report_their_phases(xfs, vm_image):  # noqa: F
             assert [p[0] for p in rec.phases] == ["starting QEMU (1/2)", boot]
             snapshot = box.checkpoint("one")
             rec = Recorder()
-            box.fork(snapshot, "box2", progress=rec)
+            box.fork(snapshot, "box2", progress=rec, disk_only=True)
             rec.check_complete()
             assert [p[0] for p in rec.phases] == ["checking layers", "starting QEMU (1/2)", boot]
+            # From the checkpoint's memory: no boot to report.
+            rec = Recorder()
+            box.fork(snapshot, "box3", progress=rec)
+            rec.check_complete()
+            assert [p[0] for p in rec.phases] == ["checking layers"]
         finally:
             for sandbox in Sandbox.list(store):
                 sandbox._kill()
