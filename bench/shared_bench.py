@@ -20,7 +20,9 @@ SQLite file) and one bucket of a SeaweedFS server started for the run.
   ``steps - 10`` pulled beforehand. Against: downloading a full copy of the
   image from the same object store (boto3's ``download_file``), and for (a)
   the same bytes B fetched, downloaded by raw parallel ranged GETs (boto3,
-  8 MiB ranges, 8 at a time) into /dev/null: what the object store alone needs.
+  8 MiB ranges, 8 at a time) into /dev/null (what the object store alone
+  needs) and into files on B's filesystem, fsynced (what landing them costs
+  there, before any check).
 - **push**: the upload a push makes of the first snapshot's layer (the data
   written before it; ``S3Remote.put_file``: the digest taken first, every
   part checked, conditional writes), to a key of its own, against boto3's
@@ -123,21 +125,38 @@ def agent_steps(store: Store, thread: str, image: Path, size: int, steps: int,
     return snapshots, seconds
 
 
-def raw_ranged_gets(client, bucket: str, keys_sizes: list[tuple[str, int]]) -> float:
-    """Seconds to GET every object by 8 MiB ranges, 8 at a time, to nowhere."""
+def raw_ranged_gets(client, bucket: str, keys_sizes: list[tuple[str, int]],
+                    into: Path | None = None) -> float:
+    """Seconds to GET every object by 8 MiB ranges, 8 at a time: to nowhere,
+    or ``into`` a new file per object in that directory (written with pwrite
+    and fsynced, as a fetch lands a layer)."""
     ranges = [(key, start, min(start + 8 * MiB, size) - 1)
               for key, size in keys_sizes for start in range(0, size, 8 * MiB)]
+    fds = {}
+    if into is not None:
+        into.mkdir()
+        fds = {key: os.open(into / f"{n}", os.O_WRONLY | os.O_CREAT, 0o600)
+               for n, (key, _) in enumerate(keys_sizes)}
 
     def get(item):
         key, first, last = item
         body = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={first}-{last}")["Body"]
-        while body.read(MiB):
-            pass
+        at = first
+        while piece := body.read(MiB):
+            if fds:
+                os.pwrite(fds[key], piece, at)
+            at += len(piece)
 
     start = time.perf_counter()
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(get, ranges))
-    return time.perf_counter() - start
+    for fd in fds.values():
+        os.fsync(fd)
+        os.close(fd)
+    seconds = time.perf_counter() - start
+    if into is not None:
+        shutil.rmtree(into)
+    return seconds
 
 
 @contextlib.contextmanager
@@ -214,8 +233,10 @@ def run(args) -> dict:
                     for s in b.log() if b.map_path(s).exists()]
         fetched_bytes = sum(n for _, n in fetched)
         raw = raw_ranged_gets(client, server.bucket, fetched)
+        landed = raw_ranged_gets(client, server.bucket, fetched, into=mnt_b / "raw-landed")
         results["handover_cold"] = {"seconds": cold, "fetched_bytes": fetched_bytes,
                                     "raw_ranged_gets_s": raw, "vs_raw": cold / raw,
+                                    "raw_into_files_s": landed, "vs_raw_into_files": cold / landed,
                                     "full_download_s": full_download,
                                     "vs_full_download": cold / full_download}
 
@@ -255,6 +276,8 @@ def table(r: dict) -> str:
         f"config: {r['config']}",
         f"handover, nothing cached: {h['seconds']:.2f} s for {h['fetched_bytes'] / MiB:.0f} MiB"
         f" = {h['vs_raw']:.2f}x raw ranged GETs of those bytes ({h['raw_ranged_gets_s']:.2f} s),"
+        f" {h['vs_raw_into_files']:.2f}x the same GETs written into files "
+        f"({h['raw_into_files_s']:.2f} s),"
         f" {h['vs_full_download']:.2f}x a full-image download ({h['full_download_s']:.2f} s)",
         f"handover, step -10 cached: {w['seconds']:.3f} s = {w['vs_full_download']:.3f}x "
         f"a full-image download",

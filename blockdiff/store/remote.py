@@ -33,9 +33,10 @@ sent; each part sent is checked against it, so a file that changes while it
 is uploaded is refused, not stored half old, half new. A download checks
 the object's size (against the size the caller expects, before writing
 anything), pins the version it read (``If-Match`` with the ETag on every
-ranged GET), checks the digest when the object has one, and checks the
-CRC32C of every chunk where the caller gives them (:class:`ChunkChecksums`:
-the 16 KiB chunks the store keeps per layer). A mismatch is ``Damaged``;
+ranged GET), and checks the CRC32C of every chunk where the caller gives
+them (:class:`ChunkChecksums`: the 16 KiB chunks the store keeps per layer,
+covering every byte a restore reads), else the object's digest when it has
+one (one pass over the file either way). A mismatch is ``Damaged``;
 :meth:`~ObjectBackend.get_file` then leaves nothing under the final name
 (the object lands in a temporary file beside it and is renamed only once it
 verifies). The digest is a check against damage, not against forgery: who
@@ -458,7 +459,11 @@ class S3Remote(ObjectBackend):
                             min(self.part_size, size - start), sparse, stop)
 
             self._parallel(fetch, range(0, size, self.part_size))
-        if info.digest is not None and info.digest.startswith(DIGEST_SCHEME + ":"):
+        # The caller's chunk checksums, where given, are the check that matters
+        # (the store's own, from its catalog, over every byte a restore
+        # reads): the object's digest is then not read a second pass for.
+        if checksums is None and info.digest is not None and \
+                info.digest.startswith(DIGEST_SCHEME + ":"):
             if digest_of(mib_crcs(fd, offset, size, path)) != info.digest:
                 raise Damaged(f"download {self.object_url(key)}: the object does not match "
                               f"the digest it was stored with: it is damaged in the object "
