@@ -57,7 +57,6 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 try:
-    import boto3
     from boto3.s3.transfer import TransferConfig
     from objectstore import running_seaweedfs
     from store_bench import stats

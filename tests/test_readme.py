@@ -429,7 +429,7 @@ def test_sandbox_vm_console_example(xfs):
         _kill_vms(xfs / "srv" / "sandboxes" / "store")
 
 
-def test_several_hosts_console_example(xfs, host_b_dir, postgres_url, s3_env):
+def test_several_hosts_console_example(xfs, host_b_dir, postgres_url, s3_env):  # noqa: F811
     """Two hosts (the README's /srv/sandboxes and /srv/host-b, here two XFS
     filesystems) of one store, its catalog a database of a real PostgreSQL
     server and its objects in a real SeaweedFS bucket, each in the README's

@@ -5,7 +5,6 @@ restore is compared byte for byte."""
 
 from __future__ import annotations
 
-import contextlib
 import filecmp
 import json
 import os
@@ -16,18 +15,18 @@ import time
 import uuid
 from pathlib import Path
 
-import filesystems
 import numpy as np
 import objectstore
 import postgres
 import pytest
 from objectstore import point_boto3_at, running_seaweedfs
 
+import filesystems
 from blockdiff.errors import Damaged, RemoteError, StoreError, UsageError
 from blockdiff.store import Store
 from blockdiff.store.objects import layer_name
-from blockdiff.store.retention import Policy
 from blockdiff.store.remote import layer_key
+from blockdiff.store.retention import Policy
 from blockdiff.store.views import view_path
 
 seaweedfs, s3_env = objectstore.seaweedfs, objectstore.s3_env

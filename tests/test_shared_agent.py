@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 import uuid
 
@@ -137,9 +138,10 @@ def test_an_approval_decided_on_another_host_wakes_the_waiting_agent(xfs, second
             agent.approval({"do": "deploy"})
         approval_id = asked.value.approval_id
         decider = subprocess.Popen(
-            ["python3", "-c", "import sys, time; time.sleep(0.5); "
+            [sys.executable, "-c", "import sys, time; time.sleep(0.5); "
              "from blockdiff.store import Store; from blockdiff.agent import AgentDB; "
-             "s = Store(sys.argv[1]); db = AgentDB(s); db.decide('t', 'approved', by='b', comment='from host B'); "
+             "s = Store(sys.argv[1]); db = AgentDB(s); "
+             "db.decide('t', 'approved', by='b', comment='from host B'); "
              "db.close(); s.close()", str(b_root / "store")],
             env=agent_env(), cwd=ROOT)
         started = time.monotonic()

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 from blockdiff.agent.sealing import PLAIN, Codec, SealingError, content_hash
 from blockdiff.db import Database, Migrations, connect, migrate
-from blockdiff.store.shared import open_shared_database
 from blockdiff.errors import (
     AgentError,
     AmbiguousCheckpoint,
@@ -33,6 +32,7 @@ from blockdiff.errors import (
     UsageError,
 )
 from blockdiff.store.catalog import candidates, id_prefix, prefix_matches
+from blockdiff.store.shared import open_shared_database
 from blockdiff.store.store import Store
 
 DB_NAME = "agent.sqlite"

@@ -17,8 +17,8 @@ from blockdiff.errors import Damaged
 from blockdiff.store.catalog import Catalog, Snapshot
 from blockdiff.store.ids import layer_number
 from blockdiff.store.objects import layer_name, unlink
-from blockdiff.store.retention import apply_policy
 from blockdiff.store.replication import forget_objects
+from blockdiff.store.retention import apply_policy
 from blockdiff.store.state import StoreState
 from blockdiff.store.views import sweep_views
 

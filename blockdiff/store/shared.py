@@ -146,7 +146,7 @@ def _open_url(url: str, root: Path, user: str):
     """A connection to the shared PostgreSQL database, in the schema of one
     of its users (the catalog, the agent records, the LangGraph checkpoints:
     each has tables of its own names), with this host's passfile if any."""
-    from blockdiff.db import open_database   # psycopg is needed only here
+    from blockdiff.db import open_database  # psycopg is needed only here
     passfile = root / PASSFILE
     if passfile.exists():
         parts = urllib.parse.urlsplit(url)
@@ -175,7 +175,7 @@ def new_host_name(root: Path) -> str:
 
 def open_remote(url: str):
     """The object store at ``url`` (``s3://BUCKET/PREFIX``)."""
-    from blockdiff.store.remote import S3Remote   # boto3 is needed only here
+    from blockdiff.store.remote import S3Remote  # boto3 is needed only here
     return S3Remote(url)
 
 

@@ -13,12 +13,12 @@ import os
 import threading
 from pathlib import Path
 
+from blockdiff.errors import StoreError
 from blockdiff.store.catalog import Catalog, Snapshot
 from blockdiff.store.ids import find_snapshot
 from blockdiff.store.layers import Layers
 from blockdiff.store.lineage import lineage_record
 from blockdiff.store.maps import Maps, SnapshotMap
-from blockdiff.errors import StoreError
 from blockdiff.store.objects import ObjectFiles, StoreLock
 from blockdiff.store.shared import REMOTE_SETTING, Fetcher, SharedConfig, open_remote
 

@@ -46,8 +46,8 @@ from blockdiff.errors import (
     AmbiguousId,
     Damaged,
     DatabaseDamaged,
-    RemoteError,
     ImageBusy,
+    RemoteError,
     StoreError,
     UnknownSnapshot,
     Unsupported,
@@ -169,15 +169,11 @@ class Store(StoreState):
                 gid = int(group) if str(group).isdigit() else grp.getgrnam(str(group)).gr_gid
             except KeyError:
                 raise UsageError(f"no group {group!r} on this host") from None
-        if (root / "catalog.sqlite").exists():
+        if (root / "catalog.sqlite").exists() or (root / SHARED_FILE).exists():
             raise StoreError(f"{root} is already a blockdiff store")
-        made = [] if root.exists() else [root]
-        for parent in list(root.parents):
-            if parent.exists():
-                break
-            made.insert(0, parent)
         dir_mode = 0o700 if gid is None else 0o2750
-        try:
+        with _made_or_undone(root, ("catalog.sqlite", "catalog.sqlite-wal",
+                                    "catalog.sqlite-shm", "lock", "reserve")):
             root.mkdir(parents=True, exist_ok=True)
             if gid is not None:
                 os.chown(root, -1, gid)
@@ -198,19 +194,6 @@ class Store(StoreState):
             finally:
                 catalog.close()
             fsync_dir(root)
-        except BaseException:
-            # A failed init leaves nothing it made behind.
-            for name in ("catalog.sqlite", "catalog.sqlite-wal", "catalog.sqlite-shm", "lock",
-                         "reserve"):
-                with contextlib.suppress(FileNotFoundError):
-                    (root / name).unlink()
-            for name in ("objects", "staging"):
-                with contextlib.suppress(OSError):
-                    (root / name).rmdir()
-            for path in reversed(made):
-                with contextlib.suppress(OSError):
-                    path.rmdir()
-            raise
         return cls(root)
 
     @classmethod
@@ -230,12 +213,7 @@ class Store(StoreState):
             public, password = split_password(target)
         else:
             public, password = str(Path(target).absolute()), None
-        made = [] if root.exists() else [root]
-        for parent in list(root.parents):
-            if parent.exists():
-                break
-            made.insert(0, parent)
-        try:
+        with _made_or_undone(root, (SHARED_FILE, PASSFILE, "lock", "reserve")):
             root.mkdir(parents=True, exist_ok=True)
             os.chmod(root, 0o700)
             cls._probe_reflink(root, False)
@@ -270,17 +248,6 @@ class Store(StoreState):
                 shared.close()
             SharedConfig(public, host, name, cache_size).write(root)
             fsync_dir(root)
-        except BaseException:
-            for name in (SHARED_FILE, PASSFILE, "lock", "reserve"):
-                with contextlib.suppress(FileNotFoundError):
-                    (root / name).unlink()
-            for name in ("objects", "staging"):
-                with contextlib.suppress(OSError):
-                    (root / name).rmdir()
-            for path in reversed(made):
-                with contextlib.suppress(OSError):
-                    path.rmdir()
-            raise
         return cls(root)
 
     @staticmethod
@@ -536,6 +503,31 @@ class Store(StoreState):
         layer bytes read.
         """
         return verify.verify(self, snapshot_id, progress)
+
+
+@contextlib.contextmanager
+def _made_or_undone(root: Path, files: tuple[str, ...]):
+    """Around making a store in ``root``: if the block fails, remove what it
+    made (``files`` in root, its objects/ and staging/, and root and the
+    parents that were not there), so a failed init leaves nothing behind."""
+    made = [] if root.exists() else [root]
+    for parent in list(root.parents):
+        if parent.exists():
+            break
+        made.insert(0, parent)
+    try:
+        yield
+    except BaseException:
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                (root / name).unlink()
+        for name in ("objects", "staging"):
+            with contextlib.suppress(OSError):
+                (root / name).rmdir()
+        for path in reversed(made):
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        raise
 
 
 def open_store(path: str | os.PathLike | None, *, freeing: bool = False) -> Store:
