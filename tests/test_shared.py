@@ -342,7 +342,7 @@ def test_eviction_drops_only_uploaded_copies_and_they_come_back(
     assert json.loads(done.stdout)["evicted"] > 0
 
 
-def test_commit_survives_the_object_store_going_away_and_pushes_later(
+def test_commit_survives_the_object_store_dying_mid_upload_and_pushes_later(
         xfs, host_b_dir, catalog, tmp_path, monkeypatch):
     objectstore._require_seaweedfs()
     with running_seaweedfs(tmp_path / "weed") as server:
@@ -354,14 +354,23 @@ def test_commit_survives_the_object_store_going_away_and_pushes_later(
         rng = np.random.default_rng(8)
         image = xfs / "disk.img"
         new_image(image, rng)
-        server.stop()
+        real_pread = os.pread
+
+        def pread_then_kill(fd, length, offset):
+            server.kill()            # in the middle of the layer's upload
+            return real_pread(fd, length, offset)
+
+        monkeypatch.setattr(os, "pread", pread_then_kill)
         with pytest.raises(RemoteError, match="committed on this host but not uploaded"):
             a.commit(image)
+        monkeypatch.setattr(os, "pread", real_pread)
         (sid,) = [p.snapshot for p in a.placement()]
         assert {p.snapshot: p.state for p in a.placement()}[sid] == "local"
         copy = tmp_path / "copy"
         shutil.copyfile(image, copy)
         server.start()
+        # Nothing half-written: no object under the layer's key until the push.
+        assert once_back(lambda: a.remote.stat(layer_key(layer_name(int(sid, 16))))) is None
         once_back(a.push)
         b.restore(sid, host_b_dir / "x.img")
         assert filecmp.cmp(host_b_dir / "x.img", copy, shallow=False)
