@@ -125,9 +125,7 @@ def push(store: StoreState, snapshot_id: str | None = None,
             remote.put_file(map_key(path.name), path)
             if not catalog.mark_map_uploaded(snap, size):
                 # Removed, or given another map meanwhile: this one is unused.
-                if catalog.get(snap.id) is None or catalog.get(snap.id).map_sha256 != \
-                        snap.map_sha256:
-                    remote.delete([map_key(path.name)])
+                remote.delete([map_key(path.name)])
                 continue
             result.maps += 1
             result.bytes += size
