@@ -359,27 +359,24 @@ class PostgreSQLDatabase:
 
     # ---------------------------------------------------------- transactions
 
-    @contextlib.contextmanager
     def transaction(self):
         """BEGIN, the schema's advisory lock, ... COMMIT; ROLLBACK if the block
         raises. Nested: DatabaseError."""
-        with self.lock:
-            # One round trip for both (the key is ours, two integers).
-            self._begin("BEGIN ISOLATION LEVEL READ COMMITTED; "
-                        "SELECT pg_advisory_xact_lock(%d, %d)" % self._lock_key)
-            try:
-                yield self
-            except BaseException:
-                self._end("ROLLBACK")
-                raise
-            self._end("COMMIT")
+        # One round trip for both (the key is ours, two integers).
+        return self._block("BEGIN ISOLATION LEVEL READ COMMITTED; "
+                           "SELECT pg_advisory_xact_lock(%d, %d)" % self._lock_key)
 
-    @contextlib.contextmanager
     def reading(self):
         """BEGIN REPEATABLE READ, READ ONLY ... COMMIT: every read of the
         block sees the state of its first."""
+        return self._block("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+
+    @contextlib.contextmanager
+    def _block(self, begin: str):
+        """A transaction opened by ``begin``, under the lock: COMMIT at the
+        end, ROLLBACK if the block raises."""
         with self.lock:
-            self._begin("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            self._begin(begin)
             try:
                 yield self
             except BaseException:
