@@ -11,23 +11,20 @@ that two forks do not share.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import statistics
 import time
-from pathlib import Path
 
 import pytest
+import test_vm
 
 from blockdiff.errors import VMError
-from blockdiff.store.store import Store
 from blockdiff.vm import machine as machine_module
 from blockdiff.vm import qemu
-from blockdiff.vm.image import build_image
 from blockdiff.vm.sandbox import MEMORY_KEY, Sandbox
 
-IMAGE_CACHE = Path(os.environ.get("BLOCKDIFF_TEST_VM_IMAGE",
-                                  Path.home() / ".cache" / "blockdiff" / "test-vm"))
+# The VM tests' image and store, where pytest looks for fixtures.
+vm_image, store = test_vm.vm_image, test_vm.store
 MiB = 1 << 20
 # A process of the step: counts into /tmp/counter ten times a second.
 COUNTER = ("(i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done) "
@@ -35,23 +32,6 @@ COUNTER = ("(i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; 
 # 16 MiB of random bytes in a tmpfs: they live only in guest RAM.
 PAYLOAD = ("mkdir -p /mnt/ram && mount -t tmpfs -o size=32m tmpfs /mnt/ram && "
            "head -c 16777216 /dev/urandom > /mnt/ram/payload && sha256sum /mnt/ram/payload")
-
-
-@pytest.fixture(scope="session")
-def vm_image():
-    missing = [t for t in (qemu.QEMU, "apt-get", "dpkg-deb", "gcc", "mkfs.ext4")
-               if shutil.which(t) is None]
-    if missing:
-        pytest.skip(f"sandbox VMs need {', '.join(missing)} (installed by .ci/setup)")
-    return build_image(IMAGE_CACHE)
-
-
-@pytest.fixture
-def store(xfs):
-    with Store.init(xfs / "store") as st:
-        yield st
-        for box in Sandbox.list(st):
-            box._kill()
 
 
 @pytest.fixture
