@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from services import log_tail, stop_by_pid
 
 BUCKET = "blockdiff-test"
 START_SECONDS = 60
@@ -176,23 +177,15 @@ class SeaweedFS:
         raise RuntimeError(f"weed server was not ready in {START_SECONDS} s ({problem}):\n"
                            f"{self._log_tail()}")
 
-    def _log_tail(self, lines: int = 20) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        return ""
+    def _log_tail(self) -> str:
+        return log_tail(self.log_path)
 
     def stop(self) -> None:
         """Stop the server by its pid: SIGTERM, then SIGKILL if it lingers."""
         if self.process is None:
             return
         process, self.process = self.process, None
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(STOP_SECONDS)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_by_pid(process, signal.SIGTERM, STOP_SECONDS)
         self._remove_sockets()
 
     def kill(self) -> None:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from services import log_tail, stop_by_pid
 
 SUPERUSER = "postgres"
 PASSWORD_ROLE = "blockdiff_password"
@@ -196,10 +197,8 @@ class PostgresServer:
         raise RuntimeError(f"postgres was not ready in {START_SECONDS} s ({problem}):\n"
                            f"{self._log_tail()}")
 
-    def _log_tail(self, lines: int = 20) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        return ""
+    def _log_tail(self) -> str:
+        return log_tail(self.log_path)
 
     def stop(self) -> None:
         """Stop the server by its pid: SIGINT, PostgreSQL's fast shutdown
@@ -208,13 +207,7 @@ class PostgresServer:
         if self.process is None:
             return
         process, self.process = self.process, None
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(STOP_SECONDS)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_by_pid(process, signal.SIGINT, STOP_SECONDS)
 
     def restart(self) -> None:
         """Stop the server (fast shutdown: every connection is cut) and start
