@@ -521,3 +521,42 @@ def test_a_host_with_a_cache_size_keeps_its_copies_under_it(xfs, host_b_dir, cat
         Store.init(tmp_path / "plain", cache_size=1)
     a.close()
     b.close()
+
+
+def test_fetching_restores_beside_a_host_evicting_and_sweeping(hosts, xfs, host_b_dir,
+                                                               tmp_path):
+    """Host B restores (fetching what it lacks) in one process while another
+    process of B evicts every copy it may and sweeps, over and over: every
+    restore is byte for byte, none fails."""
+    a, b = hosts
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    rng = np.random.default_rng(12)
+    image = xfs / "disk.img"
+    new_image(image, rng)
+    ids = commit_line(a, image, keep, rng, 4)
+    store_b = host_b_dir / "store"
+    evictor = subprocess.Popen(
+        [sys.executable, "-c", "import sys\n"
+         "from blockdiff.store import Store\n"
+         "from blockdiff.store.retention import Policy\n"
+         "with Store(sys.argv[1]) as s:\n"
+         "    for _ in range(40):\n"
+         "        s.evict(0)\n"
+         "        s.gc(Policy())\n", str(store_b)],
+        stderr=subprocess.PIPE, text=True)
+    try:
+        rounds = 0
+        while evictor.poll() is None or rounds < 8:
+            sid = ids[rounds % len(ids)]
+            out = host_b_dir / f"r-{rounds}.img"
+            cli("restore", "--store", store_b, sid, out)
+            assert filecmp.cmp(out, keep / sid, shallow=False)
+            out.unlink()
+            rounds += 1
+    finally:
+        if evictor.poll() is None:
+            evictor.kill()
+        _, err = evictor.communicate()
+    assert evictor.returncode == 0, err
+    assert b.verify() == {}
