@@ -693,3 +693,59 @@ def test_a_damaged_base_map_is_named(store, xfs):
         assert snaps[0].id not in problems
         with pytest.raises(Damaged, match=f"map of snapshot {snaps[1].id} is damaged"):
             other.restore(snaps[2].id, xfs / "out.img")
+
+
+def _scribble(image, rnd, count, *, mapped):
+    """Random 4 KiB-aligned writes of random length, through a shared
+    mapping (as a VM's RAM is written) or pwrite."""
+    size = os.path.getsize(image)
+    with open(image, "r+b") as f:
+        if mapped:
+            import mmap
+            m = mmap.mmap(f.fileno(), size, mmap.MAP_SHARED)
+        for _ in range(count):
+            off = rnd.randrange(0, size // BLOCK) * BLOCK + rnd.choice([0, 0, 17])
+            data = rnd.randbytes(rnd.randint(1, 3 * BLOCK))[:size - off]
+            if mapped:
+                m[off:off + len(data)] = data
+            else:
+                os.pwrite(f.fileno(), data, off)
+        if mapped:
+            m.close()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_capture_is_the_image_as_it_was_when_last_taken(store, xfs, seed):
+    # Store.capturing: the changes are cloned on entering and topped up by
+    # take_more; the image may change after that, and the snapshot is still
+    # what it held at the last take, while the next commit sees the rest.
+    rnd = random.Random(seed)
+    image = xfs / "ram.img"
+    make_base_image(image, SIZE, seed)
+    snap = store.commit(image, message="base")
+    for step in range(4):
+        _scribble(image, rnd, 20, mapped=step % 2 == 0)
+        with store.capturing(image) as capture:
+            _scribble(image, rnd, rnd.randint(0, 6), mapped=True)   # while it still runs
+            capture.take_more()
+            held = digest(image)
+            _scribble(image, rnd, 8, mapped=step % 2 == 1)          # after: not in it
+            snap = capture.finish(message=f"step {step}")
+        assert snap.parent is not None
+        after = digest(image)
+        check = xfs / f"check{step}.img"
+        store.restore(snap.id, check)
+        assert digest(check) == held
+        following = store.commit(image, message=f"after {step}")
+        store.restore(following.id, check)
+        assert digest(check) == after
+    assert store.verify() == {}
+    # A capture left unfinished commits nothing and leaves nothing staged.
+    nodes = len(store.log())
+    _scribble(image, rnd, 5, mapped=False)
+    with store.capturing(image) as capture:
+        capture.take_more()
+    assert len(store.log()) == nodes
+    assert list((store.root / "staging").iterdir()) == []
+    with pytest.raises(StoreError, match="finished or discarded"):
+        capture.finish()

@@ -9,6 +9,7 @@ host (the disk is byte-identical to the snapshot, fork by fork).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -509,21 +510,35 @@ def test_an_unchanged_running_vm_is_not_snapshotted_again(store, box):
 def test_dirty_tracking_snapshots_and_restores_exactly(store, box, xfs, monkeypatch):
     """With QEMU's dirty bitmap a checkpoint maps only what the guest wrote and
     a restore rewrites only that plus what differs between the snapshots. The
-    disk is captured (reflinked) while the VM is still paused after each, and
-    compared byte for byte with a fork of the snapshot."""
+    disk is copied (reflinked) as the store captures it in each checkpoint and
+    after each restore, before the guest writes again, and compared byte for
+    byte with a fork of the snapshot."""
     captured = []
-    real_commit, real_restore = store.commit, store.restore
+    real_capturing, real_restore = store.capturing, store.restore
 
     def capture(snapshot_id):
         copy = xfs / f"captured-{len(captured)}.img"
         subprocess.run(["cp", "--reflink=always", str(box.disk), str(copy)], check=True)
         captured.append((snapshot_id, copy))
 
-    def commit(image, **kw):
-        snap = real_commit(image, **kw)
-        if Path(image) == box.disk:
-            capture(snap.id)
-        return snap
+    @contextlib.contextmanager
+    def capturing(image, **kw):
+        # A checkpoint's commit: the disk as captured, copied before the
+        # guest can write again, is what its snapshot must hold.
+        with real_capturing(image, **kw) as taken:
+            copy = xfs / f"capturing-{len(captured)}.img"
+            if Path(image) == box.disk:
+                subprocess.run(["cp", "--reflink=always", str(box.disk), str(copy)], check=True)
+            real_finish = taken.finish
+
+            def finish(**kw):
+                snap = real_finish(**kw)
+                if Path(image) == box.disk:
+                    captured.append((snap.id, copy))
+                return snap
+
+            taken.finish = finish
+            yield taken
 
     def restore(snapshot_id, image, **kw):
         result = real_restore(snapshot_id, image, **kw)
@@ -531,7 +546,7 @@ def test_dirty_tracking_snapshots_and_restores_exactly(store, box, xfs, monkeypa
             capture(snapshot_id)
         return result
 
-    monkeypatch.setattr(store, "commit", commit)
+    monkeypatch.setattr(store, "capturing", capturing)
     monkeypatch.setattr(store, "restore", restore)
     ids, listings = [], []
     for k in range(4):

@@ -168,6 +168,36 @@ def test_a_qemu_killed_during_a_memory_checkpoint_leaves_the_last_one_restorable
     assert box.exec("test -e /doomed").status == 1
 
 
+def test_a_disk_written_after_the_pause_is_captured_again_in_one(store, box, monkeypatch):
+    # The disk of a whole-VM checkpoint is captured after its pause, the
+    # guest frozen. Should QEMU count a write to it meanwhile, disk and
+    # memory are captured again, the disk within the pause.
+    pid, digest = running_step(box)
+    run(box, "echo one > /one")
+    pauses, counts = [], []
+    real_paused, real_writes = box.machine.paused, box.machine.disk_writes
+
+    def paused(mark, **kw):
+        pauses.append(kw.get("read_later", False))
+        return real_paused(mark, **kw)
+
+    def writes():   # the count read after the first pause is one more
+        counts.append(real_writes())
+        return counts[-1] + (1 if len(counts) == 2 else 0)
+
+    monkeypatch.setattr(box.machine, "paused", paused)
+    monkeypatch.setattr(box.machine, "disk_writes", writes)
+    checkpoint = box.checkpoint("again")
+    monkeypatch.undo()
+    assert pauses == [True, False] and box.last_checkpoint.memory
+    assert len([s for s in store.log() if s.message.startswith("memory: again")]) == 1
+    assert store.verify() == {} and list((store.root / "staging").iterdir()) == []
+    run(box, "rm /one && echo later > /later")
+    box.restore(checkpoint)
+    assert alive(box, pid) and payload_hash(box) == digest
+    assert run(box, "cat /one") == "one\n" and box.exec("test -e /later").status == 1
+
+
 def test_a_checkpoint_of_another_machine_is_refused_with_what_to_do(
         store, box, vm_image, monkeypatch):
     run(box, "echo one > /one")

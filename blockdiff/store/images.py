@@ -82,62 +82,171 @@ def commit(store: StoreState, image: str | os.PathLike, *, parent: str | None = 
     """See ``Store.commit``; ``imported`` is its ``_imported``."""
     if ttl is not None:
         ttl = check_duration(ttl, "ttl")
+    with capturing(store, image, parent=parent, written=written, imported=imported,
+                   checksum_image=True, progress=progress) as capture:
+        if skip_unchanged and capture.unchanged:
+            return capture.parent
+        return capture.finish(message=message, meta=meta, ttl=ttl)
+
+
+@contextlib.contextmanager
+def capturing(store: StoreState, image: str | os.PathLike, *, parent: str | None = None,
+              written: Written | None = None, imported: Snapshot | None = None,
+              checksum_image: bool = False, progress: Progress = NO_PROGRESS):
+    """A commit in two halves (see ``Store.capturing``). On entering, the
+    image's changes since its parent are found and cloned into a staged
+    layer: all that needs the image to hold still. Yields the
+    :class:`Capture`, whose ``finish`` commits it. Nothing is committed, and
+    the staged files go, if the block ends before that.
+
+    ``checksum_image``: the chunk checksums are read from the image on
+    entering (in the page cache after a step) instead of from the staged
+    layer in ``finish`` (a read the image's later writes cannot disturb)."""
     image = os.fspath(image)
     with image_locked(image, os.O_RDONLY) as fd, store.lock.shared():
+        capture = Capture(store, fd, image, parent, written, imported)
+        try:
+            capture.take(checksum_image, progress)
+            yield capture
+        finally:
+            capture.discard()
+
+
+class Capture:
+    """The first half of a commit: an image's changes cloned into a staged
+    layer (see :func:`capturing`)."""
+
+    def __init__(self, store: StoreState, fd: int, image: str, parent: str | None,
+                 written: Written | None, imported: Snapshot | None):
+        self.store, self.fd, self.image, self.imported = store, fd, image, imported
         known, state = store.lineage(image)
         if state == "restoring":
             raise StoreError(f"{image} was being restored when that was interrupted; "
                              f"finish with: blockdiff restore --store {store.root} {known} "
                              f"{image}")
         parent = parent if parent is not None else known
-        parent_snap = None if parent is None else store.get(parent)
-        parent = None if parent_snap is None else parent_snap.id   # a prefix resolved
-        parent_map = None if parent_snap is None else store.load_map(parent_snap)
+        self.parent = None if parent is None else store.get(parent)
+        self.parent_map = None if self.parent is None else store.load_map(self.parent)
         # The parent's extent map as it holds on this host (a shared store's
         # may hold elsewhere only: blockdiff.store.views), else None.
-        basis = None if parent_snap is None else host_extents(store, parent_snap, parent_map)
-
-        native.fsync(fd, image)
-        size = os.fstat(fd).st_size
+        self.basis = (None if self.parent is None
+                      else host_extents(store, self.parent, self.parent_map))
         # Written ranges describe the change only from the snapshot the image
         # is a clean copy of, at its size.
-        if not (parent_snap is not None and parent == known and state == "clean"
-                and size == parent_snap.size):
-            written = None
-        if parent_snap is not None and basis is None and not store.copy_mode:
-            written = None
-        emap, changes = _changes(store, fd, image, size, parent_snap, parent_map, basis,
-                                 written)
-        if (skip_unchanged and parent_snap is not None and len(changes) == 0
-                and emap.size == parent_snap.size):
-            return parent_snap
+        self._clean_copy = (self.parent is not None and self.parent.id == known
+                            and state == "clean")
+        self.written = written
+        self.record = None
+        self.snap: Snapshot | None = None
+        self.layer_tmp: Path | None = None
+        # Called with the snapshot once committed (a shared store uploads it).
+        self.on_commit = None
 
-        snap_id = imported.id if imported else new_id()
-        layer = layer_number(snap_id)
-        data_pos = fmt.layout_data(changes, version=2)
-        is_data = changes.kind == DATA
-        src, dst, length = changes.offset[is_data], data_pos[is_data], changes.length[is_data]
-        layer_tmp = store.object_files.staged(snap_id, "layer")
+    @property
+    def unchanged(self) -> bool:
+        """Whether the image is its parent, byte for byte."""
+        return (self.parent is not None and len(self.changes) == 0
+                and self.emap.size == self.parent.size)
+
+    def take(self, checksum_image: bool, progress: Progress) -> None:
+        store, fd, image = self.store, self.fd, self.image
+        native.fsync(fd, image)
+        size = os.fstat(fd).st_size
+        written = self.written
+        if not (self._clean_copy and size == self.parent.size):
+            written = None
+        if self.parent is not None and self.basis is None and not store.copy_mode:
+            written = None
+        self.emap, self.changes = _changes(store, fd, image, size, self.parent,
+                                           self.parent_map, self.basis, written)
+        self.snap_id = self.imported.id if self.imported else new_id()
+        self.layer = layer_number(self.snap_id)
+        data_pos = fmt.layout_data(self.changes, version=2)
+        # Each capture's changes and where their data went in the layer.
+        self.rounds = [(self.changes, data_pos)]
+        is_data = self.changes.kind == DATA
+        src, self.dst = self.changes.offset[is_data], data_pos[is_data]
+        self.length = self.changes.length[is_data]
+        if checksum_image:
+            # Checksums come from the image's bytes (in the page cache
+            # after the step), chunk by chunk; the data is reflinked.
+            self.record = chunk_record(self.layer, fd, image, src, self.dst, self.length,
+                                       progress=progress)
+        self.layer_tmp = store.object_files.staged(self.snap_id, "layer")
+        out = store.object_files.create(self.layer_tmp)
+        try:
+            native.transfer_ranges(fd, out, src, self.dst, self.length, self.layer_tmp)
+        finally:
+            os.close(out)
+
+    def take_more(self) -> None:
+        """Capture what the image changed since it was captured (or since
+        the last call), adding it to the staged layer: a capture taken while
+        the image still changed, topped up once it holds still, so that the
+        hold lasts only for the remainder. Needs reflink: the changes are
+        found by comparing the image's extent map with the one captured."""
+        if self.store.copy_mode:
+            raise Unsupported("a capture is topped up by extent maps, which need reflink")
+        fd, image = self.fd, self.image
+        native.fsync(fd, image)
+        emap = ExtentMap.of_file(fd, image, sync=False)   # fsynced above
+        emap.check_supported(image)
+        if emap.size != self.emap.size:
+            raise StoreError(f"{image} changed size while it was being committed; "
+                             f"commit it again")
+        more = changed_ranges(emap, self.emap, BLOCK)
+        self.emap = emap
+        if not len(more):
+            return
+        # Behind what the layer holds already, block-aligned.
+        used = int((self.dst + self.length).max()) if len(self.dst) else 0
+        base = np.uint64(-(-used // BLOCK) * BLOCK)
+        is_data = more.kind == DATA
+        data_pos = fmt.layout_data(more, version=2)
+        data_pos[is_data] += base
+        self.rounds.append((more, data_pos))
+        src, dst, length = more.offset[is_data], data_pos[is_data], more.length[is_data]
+        out = os.open(self.layer_tmp, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            native.transfer_ranges(fd, out, src, dst, length, self.layer_tmp)
+        finally:
+            os.close(out)
+        self.dst, self.length = np.concatenate((self.dst, dst)), np.concatenate((self.length,
+                                                                                 length))
+        self.record = None   # the checksums are read back from the layer
+        starts, ends = union(np.concatenate((self.changes.offset, more.offset)),
+                             np.concatenate((self.changes.offset + self.changes.length,
+                                             more.offset + more.length)))
+        self.changes = RangeSet(starts, ends - starts, np.full(len(starts), DATA, np.uint8))
+
+    def finish(self, *, message: str = "", meta: dict | None = None,
+               ttl: float | None = None) -> Snapshot:
+        """Commit what was captured: the snapshot, in the catalog."""
+        if self.snap is not None or self.layer_tmp is None:
+            raise StoreError(f"the capture of {self.image} was finished or discarded already")
+        if ttl is not None:
+            ttl = check_duration(ttl, "ttl")
+        store, parent_snap, parent_map = self.store, self.parent, self.parent_map
+        changes, emap, layer, snap_id = self.changes, self.emap, self.layer, self.snap_id
+        parent = None if parent_snap is None else parent_snap.id
+        layer_tmp = self.layer_tmp
         map_tmp = store.object_files.staged(snap_id, "map")
         layer_path = store.layer_path(layer)
         placed: list[Path] = []
         try:
-            # Checksums come from the image's bytes (in the page cache
-            # after the step), chunk by chunk; the data is reflinked.
-            record = chunk_record(layer, fd, image, src, dst, length, progress=progress)
-            out = store.object_files.create(layer_tmp)
-            try:
-                native.transfer_ranges(fd, out, src, dst, length, layer_tmp)
-                native.fsync(out, layer_tmp)
-            finally:
-                os.close(out)
-            pieces = overlay(None if parent_map is None else parent_map.pieces, changes,
-                             data_pos, layer, emap.size)
+            with open(layer_tmp, "rb") as out:
+                if self.record is None:
+                    self.record = chunk_record(layer, out.fileno(), layer_tmp, self.dst,
+                                               self.dst, self.length)
+                native.fsync(out.fileno(), layer_tmp)
+            pieces = None if parent_map is None else parent_map.pieces
+            for round_changes, data_pos in self.rounds:
+                pieces = overlay(pieces, round_changes, data_pos, layer, emap.size)
             smap = SnapshotMap(pieces, emap, layer)
             delta = None
             # A delta takes the parent's extents outside the change: only
             # where they are the ones that hold here.
-            if (parent_map is not None and basis is parent_map.extents
+            if (parent_map is not None and self.basis is parent_map.extents
                     and parent_map.chain + 1 < MAP_CHAIN):
                 delta = delta_on(parent, parent_map, changes, emap.size)
                 smap.chain = parent_map.chain + 1
@@ -148,31 +257,43 @@ def commit(store: StoreState, image: str | os.PathLike, *, parent: str | None = 
                             emap.size, changes.bytes_of(DATA) + changes.bytes_of(ZERO),
                             len(changes), None if ttl is None else time.time() + ttl,
                             digest, None if delta is None else parent)
+            imported = self.imported
             if imported:
                 snap.created, snap.message = imported.created, imported.message
                 snap.meta, snap.expires = imported.meta, imported.expires
             store.object_files.place(layer_tmp, layer_path, placed)
+            self.layer_tmp = None
             store.object_files.place(map_tmp, store.map_path(snap), placed)
             store.object_files.sync()
-            record.stat = file_identity(layer_path)
+            self.record.stat = file_identity(layer_path)
             try:
                 with store.catalog.transaction() as db:
                     if imported and (store.catalog.retired(snap_id)
                                      or store.catalog.layer(layer) is not None):
                         raise StoreError(f"snapshot {snap_id} was in this store before; "
                                          f"it cannot come back under the same id")
-                    snap.seq = store.catalog.add(db, snap, np.unique(pieces.layer), record)
+                    snap.seq = store.catalog.add(db, snap, np.unique(pieces.layer),
+                                                 self.record)
             except ConstraintFailed as e:   # the parent was removed meanwhile
-                raise StoreError(f"cannot commit {image}: {e}; commit it again") from None
+                raise StoreError(f"cannot commit {self.image}: {e}; commit it again") from None
         except BaseException:
-            for p in (layer_tmp, map_tmp):
-                with contextlib.suppress(FileNotFoundError):
-                    p.unlink()
+            with contextlib.suppress(FileNotFoundError):
+                map_tmp.unlink()
             store.object_files.unplace(lambda: store.catalog.get(snap_id) is not None, placed)
             raise
-        set_lineage(fd, store.id, snap_id, "clean")
+        set_lineage(self.fd, store.id, snap_id, "clean")
         store.maps.remember(digest, smap)
+        self.snap = snap
+        if self.on_commit is not None:
+            self.on_commit(snap)
         return snap
+
+    def discard(self) -> None:
+        """The staged layer of a capture never finished goes."""
+        if self.layer_tmp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.layer_tmp.unlink()
+            self.layer_tmp = None
 
 
 def _changes(store: StoreState, fd: int, image: str, size: int, parent_snap: Snapshot | None,

@@ -338,14 +338,34 @@ class Store(StoreState):
         snap = images.commit(self, image, parent=parent, message=message, meta=meta, ttl=ttl,
                              skip_unchanged=skip_unchanged, written=written,
                              imported=_imported, progress=progress)
-        if self.shared is not None and push:
-            try:
-                self._pushed_after(snap.id)
-            except RemoteError as e:
-                raise RemoteError(f"snapshot {snap.id} is committed on this host but not "
-                                  f"uploaded: {e}; upload it with: blockdiff push --store "
-                                  f"{self.root}") from e
+        if push:
+            self._push_committed(snap)
         return snap
+
+    @contextlib.contextmanager
+    def capturing(self, image: str | os.PathLike, *, parent: str | None = None,
+                  written: Written | None = None):
+        """A commit in two halves, for an image that may change again before
+        the snapshot is in the catalog: on entering the block, the image's
+        changes are cloned into a staged layer (the part that needs the
+        image to hold still, such as a paused VM's memory); the yielded
+        capture's ``finish(message=, meta=, ttl=)`` commits them as
+        :meth:`commit` would and returns the snapshot, which is of the image
+        as it was on entering. Its ``unchanged`` says whether the image was
+        its parent. Unfinished when the block ends, nothing is committed."""
+        with images.capturing(self, image, parent=parent, written=written) as capture:
+            capture.on_commit = self._push_committed
+            yield capture
+
+    def _push_committed(self, snap: Snapshot) -> None:
+        if self.shared is None:
+            return
+        try:
+            self._pushed_after(snap.id)
+        except RemoteError as e:
+            raise RemoteError(f"snapshot {snap.id} is committed on this host but not "
+                              f"uploaded: {e}; upload it with: blockdiff push --store "
+                              f"{self.root}") from e
 
     # -------------------------------------------------- a shared store
 

@@ -106,6 +106,9 @@ class Pause:
     memory: Path | None = None       # with memory=True: the memory image, device state saved
     device_state: int = 0            # bytes of device state behind the RAM
     saving: float = 0.0              # seconds the device state took to save
+    generation: Generation | None = None   # the dirty bitmap that started in the pause
+    frozen: str | None = None   # the bitmap it froze, until read (if it is to be trusted)
+    disk_writes: int = -1       # with read_later: QEMU's count of the disk's writes, paused
 
 class Machine:
     """The QEMU process of one VM, whether it runs or not (it outlives this
@@ -412,7 +415,7 @@ class Machine:
             q.command("cont")
 
     @contextlib.contextmanager
-    def paused(self, mark: str | None, *, memory: bool = False):
+    def paused(self, mark: str | None, *, memory: bool = False, read_later: bool = False):
         """The VM paused for the block, and resumed at its end whatever happens.
 
         Yields a :class:`Pause`. Its ``written`` holds the byte ranges the
@@ -421,8 +424,16 @@ class Machine:
         in ``pause.mark`` (no commit or restore came between); else None, as
         without tracking. Set ``pause.mark`` within the block to the disk's
         lineage mark once it is committed or restored, so that the next pause
-        can trust what this one starts to track. ``seconds`` is set once the
+        can trust what this one starts to track (or call
+        :meth:`trust_tracking` after the block). ``seconds`` is set once the
         VM runs again.
+
+        ``read_later``: the pause only freezes the old bitmap, and
+        ``written`` is read by :meth:`read_written` once the VM runs again
+        (what it says is still what was written up to the pause);
+        ``disk_writes`` is QEMU's count of the disk's writes in the pause,
+        by which the caller can tell whether the disk still holds what it
+        held then.
 
         With ``memory`` (a QEMU whose RAM is the memory image), the device
         state is saved behind the RAM first and ``pause.memory`` names the
@@ -434,22 +445,50 @@ class Machine:
             stopped = time.monotonic()
             pause = Pause()
             try:
-                generation, pause.written = self._next_generation(mark)
+                pause.generation, pause.frozen = self._next_generation(mark)
+                if read_later:
+                    pause.disk_writes = self.disk_writes()
+                else:
+                    self.read_written(pause, drop=False)
                 if memory:
                     saving = time.monotonic()
                     pause.device_state = self._save_device_state(q)
                     pause.memory = self.memory_image
                     pause.saving = time.monotonic() - saving
                 yield pause
-                if generation is not None and pause.mark is not None:
-                    # The new bitmap started with the disk being what the mark names.
-                    self.tracking.write(replace(generation, mark=pause.mark))
+                if pause.generation is not None and pause.mark is not None:
+                    self.trust_tracking(pause, pause.mark)
             finally:
                 self.resume()
                 pause.seconds = time.monotonic() - stopped
-            if generation is not None:
-                with contextlib.suppress(VMError), self.qmp() as q:
-                    drop_dirty_bitmaps(q, keep=generation.bitmap)
+            if not read_later:
+                self._drop_old_bitmaps(pause)
+
+    def read_written(self, pause: Pause, *, drop: bool = True) -> Written | None:
+        """``pause.written``: what the bitmap that pause froze says the guest
+        wrote (None if it is not to be trusted or cannot be read); ``drop``:
+        the old bitmaps are then dropped (after a ``read_later`` pause)."""
+        if pause.frozen is not None:
+            with contextlib.suppress(OSError, BlockdiffError), self.qmp() as q, \
+                    self._dir_fd() as fd:
+                pause.written = read_dirty_bitmap(q, fd, pause.frozen)
+            pause.frozen = None
+        if drop:
+            self._drop_old_bitmaps(pause)
+        return pause.written
+
+    def _drop_old_bitmaps(self, pause: Pause) -> None:
+        if pause.generation is not None:
+            with contextlib.suppress(VMError), self.qmp() as q:
+                drop_dirty_bitmaps(q, keep=pause.generation.bitmap)
+
+    def trust_tracking(self, pause: Pause, mark: str) -> None:
+        """After :meth:`paused`: the dirty bitmap that started in that pause
+        started with the disk being what lineage mark ``mark`` names: for a
+        commit whose changes were captured in the pause and which was
+        finished once the VM ran again."""
+        if pause.generation is not None:
+            self.tracking.write(replace(pause.generation, mark=mark))
 
     def stop_for_good(self, mark: str | None) -> Written | None:
         """Stop the guest's CPUs for a QEMU about to be killed, and return what
@@ -458,13 +497,15 @@ class Machine:
         that restoring the disk afterwards need not map it whole."""
         with self.qmp():
             self.pause()
-            _, written = self._next_generation(mark)
-        return written
+            pause = Pause()
+            pause.generation, pause.frozen = self._next_generation(mark)
+            return self.read_written(pause, drop=False)
 
-    def _next_generation(self, mark: str | None) -> tuple[Generation | None, Written | None]:
+    def _next_generation(self, mark: str | None) -> tuple[Generation | None, str | None]:
         """With the VM paused: a new bitmap takes over. Returns its generation
-        (None without tracking) and what the old bitmap says was written, if
-        it started when the disk's lineage mark was ``mark``."""
+        (None without tracking) and the name of the old, now frozen, bitmap
+        if it started when the disk's lineage mark was ``mark`` (else None:
+        what it says is not to be trusted)."""
         pid = self.pid
         old = self.tracking.current(pid)
         if old is None:
@@ -481,11 +522,9 @@ class Machine:
                 self.tracking.clear()   # state unknown: no tracking until QEMU starts again
                 return None, None
             self.tracking.write(new)
-            if old.mark is None or old.mark != mark:
-                return new, None
-            with contextlib.suppress(OSError, BlockdiffError), self._dir_fd() as fd:
-                return new, read_dirty_bitmap(q, fd, old.bitmap)
-        return new, None
+        if old.mark is None or old.mark != mark:
+            return new, None
+        return new, old.bitmap
 
     def _save_device_state(self, q: QMP) -> int:
         """With the VM paused: QEMU's migration stream, which with

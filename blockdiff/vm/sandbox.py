@@ -340,8 +340,9 @@ class Sandbox:
         """Snapshot the disk into the store; returns the snapshot id.
 
         A running guest flushes and freezes its filesystem, then the VM is
-        paused (which drains every write), the image committed and the VM
-        resumed and thawed. A guest whose daemon does not answer is
+        paused (which drains every write) while the store captures what the
+        image changed (see ``Store.capturing``), and resumed; the capture is
+        committed and the guest thawed. A guest whose daemon does not answer is
         snapshotted as it is on disk (crash-consistent), and the snapshot's
         ``vm.flush`` says so. With ``skip_unchanged``, a disk with no change
         since its last snapshot gives that snapshot's id and adds no node
@@ -350,7 +351,7 @@ class Sandbox:
         ``memory`` (default: the VM's ``memory_checkpoints``): a whole-VM
         checkpoint. The guest's processes are frozen with its filesystem, and
         in the same pause as the disk the memory image (RAM, then the device
-        state) is committed as a snapshot of its own, which the disk
+        state) is captured, then committed as a snapshot of its own, which the disk
         snapshot's ``vm.memory`` names. It is taken only from a running QEMU
         whose RAM is the memory image and whose guest daemon can resume; else
         the checkpoint is of the disk alone (``last_checkpoint.memory``)."""
@@ -376,18 +377,11 @@ class Sandbox:
                 meta["vm.flush"] = self._freeze(link, processes=memory)
                 # A guest that did not freeze may not resume either: disk only.
                 memory = memory and meta["vm.flush"] == FSFREEZE
-                if memory:
-                    self._write_back_memory()
                 frozen = time.monotonic()
                 snap = memory_snap = None
                 try:
-                    with self._paused(memory=memory) as pause:
-                        if memory:
-                            memory_snap = self._commit_memory(pause, message, ttl)
-                            meta[MEMORY_KEY] = memory_snap.id
-                        snap = self.store.commit(self.disk, message=message, meta=meta,
-                                                 ttl=ttl, skip_unchanged=skip_unchanged,
-                                                 written=pause.written)
+                    snap, memory_snap, pause = self._commit_paused(
+                        memory, message, meta, ttl, skip_unchanged and not memory)
                 finally:
                     if meta["vm.flush"] == FSFREEZE:
                         self._thaw(link, snap)
@@ -399,25 +393,63 @@ class Sandbox:
                 memory_snap.changed_bytes if memory_snap else 0)
             return snap.id
 
-    def _write_back_memory(self) -> None:
-        """Write the guest's dirty RAM back to the memory image while the VM
-        still runs (its processes frozen, so little is dirtied again): the
-        commit in the pause then writes back only what the guest kernel
-        touched since."""
-        fd = os.open(self.machine.memory_image, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.fdatasync(fd)
-        finally:
-            os.close(fd)
+    def _commit_paused(self, memory: bool, message: str, meta: dict, ttl: float | None,
+                       skip_unchanged: bool, *, disk_in_pause: bool | None = None):
+        """The commit of a checkpoint: ``(disk snapshot, memory snapshot or
+        None, pause)``. The VM is paused only while the store captures what
+        changed (see ``Store.capturing``), cloning it into staged layers;
+        the captures are committed once it runs again.
 
-    def _commit_memory(self, pause, message: str, ttl: float | None) -> Snapshot:
-        """Commit the memory image (RAM, device state just saved behind it) as
-        the memory snapshot of the checkpoint being taken."""
-        meta = {"vm": self.name, "vm.kernel": self.config["kernel"], PART_KEY: "memory",
+        A whole-VM checkpoint captures the memory image (RAM, then the device
+        state behind it) first while the VM still runs, its processes frozen
+        (which writes back the RAM the step dirtied), and in the pause only
+        what changed since, with the device state just saved. It captures the
+        disk after the pause (unless ``disk_in_pause``): the guest's
+        filesystem and processes are frozen, so its disk holds still, which
+        QEMU's count of the disk's writes confirms. Should the count have
+        moved, both are captured again, the disk in the pause."""
+        if disk_in_pause is None:
+            disk_in_pause = not memory
+        with contextlib.ExitStack() as captures:
+            memory_capture = None
+            if memory:
+                memory_capture = captures.enter_context(
+                    self.store.capturing(self.machine.memory_image))
+            with self.machine.paused(self.store.lineage_mark(self.disk), memory=memory,
+                                     read_later=not disk_in_pause) as pause:
+                if memory:
+                    memory_capture.take_more()
+                if disk_in_pause:
+                    disk_capture = captures.enter_context(
+                        self.store.capturing(self.disk, written=pause.written))
+            if not disk_in_pause:
+                disk_capture = captures.enter_context(self.store.capturing(
+                    self.disk, written=self.machine.read_written(pause)))
+                if self.machine.disk_writes() != pause.disk_writes:
+                    captures.close()
+                    return self._commit_paused(memory, message, meta, ttl, skip_unchanged,
+                                               disk_in_pause=True)
+            memory_snap = None
+            if memory_capture is not None:
+                memory_snap = memory_capture.finish(
+                    message=f"memory: {message}" if message else "memory",
+                    meta=self._memory_meta(pause), ttl=ttl)
+                meta[MEMORY_KEY] = memory_snap.id
+            if skip_unchanged and disk_capture.unchanged:
+                snap = disk_capture.parent
+            else:
+                snap = disk_capture.finish(message=message, meta=meta, ttl=ttl)
+        # The bitmap that started in the pause started with the disk being
+        # this snapshot.
+        self.machine.trust_tracking(pause, self.store.lineage_mark(self.disk))
+        return snap, memory_snap, pause
+
+    def _memory_meta(self, pause) -> dict:
+        """The metadata of a memory snapshot: what it is, the machine it can
+        be resumed on, and the size of the device state behind its RAM."""
+        return {"vm": self.name, "vm.kernel": self.config["kernel"], PART_KEY: "memory",
                 MACHINE_KEY: json.dumps(self.machine.signature(), sort_keys=True),
                 DEVICE_STATE_KEY: str(pause.device_state)}
-        return self.store.commit(pause.memory, message=f"memory: {message}" if message
-                                 else "memory", meta=meta, ttl=ttl)
 
     def _freeze(self, link: GuestLink, processes: bool = False) -> str:
         """Have the guest flush and freeze its filesystem (and its processes);
