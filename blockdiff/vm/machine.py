@@ -201,7 +201,8 @@ class Machine:
 
     def launch(self, timeout: float = DEFAULT_BOOT_TIMEOUT,
                progress: Progress = NO_PROGRESS, *, memory: bool = False,
-               incoming: bool = False, mark: str | None = None) -> None:
+               incoming: bool = False, mark: str | None = None,
+               meanwhile=None) -> None:
         """Start QEMU, wait until the guest daemon answers, and start tracking
         the guest's disk writes, each a phase of ``progress``. If the guest
         does not come up in time, or QEMU exits, QEMU is killed and the
@@ -214,7 +215,15 @@ class Machine:
         generator reseeded before any of its processes runs again. ``mark``,
         the disk's lineage mark, lets the first checkpoint after such a
         launch trust the dirty bitmap, which then starts with the disk being
-        that snapshot."""
+        that snapshot.
+
+        ``meanwhile`` (with ``incoming``): called while QEMU starts, before
+        it loads anything, to put the disk and the memory image in place in
+        the files that exist already (an in-place restore, neither file's
+        size changed), and returning the disk's lineage mark then (taken
+        for ``mark``): QEMU opens the files, but reads neither until the
+        device state is loaded, as in a migration over shared storage.
+        Should it raise, QEMU is killed."""
         name = self.vm.name
         if self.running:
             raise VMError(f"VM {name} is already running")
@@ -229,17 +238,24 @@ class Machine:
         began = time.monotonic()
         accel, _ = choose_accel(kernel, initrd)
         warming = None
-        if memory:
+        if memory and meanwhile is None:
             # A boot warms the page cache before QEMU runs the guest. A resume
             # warms it while QEMU starts and loads the device state: QEMU
             # touches no guest RAM until the guest runs (cont).
-            fd = self._sized_memory_image(fresh=not incoming)
-            warming = _Warming(fd, self.ram_bytes)
+            warming = _Warming(self._sized_memory_image(fresh=not incoming), self.ram_bytes)
             if not incoming:
                 warming.join()
         (self.directory / CONSOLE_LOG).unlink(missing_ok=True)
         try:
-            self._launch(accel, memory=memory, incoming=incoming).start()
+            if meanwhile is None:
+                self._launch(accel, memory=memory, incoming=incoming).start()
+            else:
+                # The memory image must be at its size before QEMU maps it;
+                # it is warmed once its restore has rewritten it.
+                os.close(self._sized_memory_image(fresh=False))
+                mark = self._start_meanwhile(self._launch(accel, memory=True, incoming=True),
+                                             meanwhile)
+                warming = _Warming(self._sized_memory_image(fresh=False), self.ram_bytes)
         except BaseException:
             if warming is not None:
                 warming.join()
@@ -271,6 +287,30 @@ class Machine:
             if memory:
                 set_ignore_shared(q)
             self.tracking.write(Generation(self.pid, start_dirty_tracking(q, fd)))
+
+    def _start_meanwhile(self, launch: Launch, meanwhile):
+        """Start QEMU in a thread while ``meanwhile()`` runs in this one;
+        returns what it returns."""
+        failed: list[BaseException] = []
+
+        def start() -> None:
+            try:
+                launch.start()
+            except BaseException as e:
+                failed.append(e)
+
+        starter = threading.Thread(target=start, daemon=True)
+        starter.start()
+        try:
+            result = meanwhile()
+        except BaseException:
+            starter.join()
+            self.kill()
+            raise
+        starter.join()
+        if failed:
+            raise failed[0]
+        return result
 
     def _sized_memory_image(self, fresh: bool) -> int:
         """An open descriptor of the memory image, at its size. A boot

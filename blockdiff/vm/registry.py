@@ -169,8 +169,12 @@ class Registry:
         """Keep the kernel and initramfs under the store, named by their
         content, so a VM still boots after the build directory is gone;
         returns the name (the key of ``vm.json`` and ``vm.kernel``)."""
-        key = hashlib.sha256("".join(sha256_file(source / f) for f in KERNEL_FILES)
-                             .encode()).hexdigest()[:16]
+        if (source.resolve().parent == self.kernels.resolve()
+                and re.fullmatch(r"[0-9a-f]{16}", source.name)):
+            key = source.name   # installed already, named by its content then (a fork)
+        else:
+            key = hashlib.sha256("".join(sha256_file(source / f) for f in KERNEL_FILES)
+                                 .encode()).hexdigest()[:16]
         target = self.kernels / key
         if not all((target / f).is_file() for f in KERNEL_FILES):
             target.mkdir(parents=True, exist_ok=True)

@@ -384,7 +384,7 @@ class Sandbox:
                         memory, message, meta, ttl, skip_unchanged and not memory)
                 finally:
                     if meta["vm.flush"] == FSFREEZE:
-                        self._thaw(link, snap)
+                        self._thaw(link, snap, settle=skip_unchanged)
             (self.directory / RAN).unlink(missing_ok=True)
             marker.unlink()
             self.last_checkpoint = CheckpointTiming(
@@ -468,9 +468,14 @@ class Sandbox:
     # told instead by QEMU's count of the disk's writes, noted right after the
     # thaw and compared after the guest has flushed its page cache.
 
-    def _thaw(self, link: GuestLink, snap: Snapshot | None) -> None:
+    def _thaw(self, link: GuestLink, snap: Snapshot | None, settle: bool = False) -> None:
         frozen_writes = self.machine.disk_writes()  # nothing writes while frozen
         link.thaw(timeout=self.guest_timeout)
+        if settle:
+            # The thaw's own write may still be under way; counted now, it
+            # cannot make the next check (which syncs first) see a change.
+            with contextlib.suppress(GuestError):
+                link.sync(timeout=self.guest_timeout)
         thawed_writes = self.machine.disk_writes()
         # The thaw writes the superblock once; more means the guest wrote too,
         # and the next check must not skip.
@@ -543,18 +548,37 @@ class Sandbox:
         """With QEMU not running: the disk (unless it is the checkpoint's
         already: not ``disk``; ``written`` as for ``Store.restore``) and the
         memory image restored to the checkpoint, then (``start``) a QEMU
-        resumed from them. ``last_restore_phases`` says how long each took."""
-        began = time.monotonic()
-        if disk:
-            self.store.restore(snap.id, self.disk, written=written)
-        disk_done = time.monotonic()
-        self.store.restore(memory_snap.id, self.machine.memory_image)
-        self.last_restore_phases = {"disk": disk_done - began,
-                                    "memory": time.monotonic() - disk_done}
-        if start:
-            self.machine.launch(timeout, incoming=True, mark=self.store.lineage_mark(self.disk))
-        else:
+        resumed from them. Where both are restored in place at their sizes,
+        QEMU starts meanwhile. ``last_restore_phases`` says how long each
+        took."""
+        phases = self.last_restore_phases = {}
+
+        def restore() -> str:
+            began = time.monotonic()
+            if disk:
+                self.store.restore(snap.id, self.disk, written=written)
+            disk_done = time.monotonic()
+            self.store.restore(memory_snap.id, self.machine.memory_image)
+            phases.update(disk=disk_done - began, memory=time.monotonic() - disk_done)
+            return self.store.lineage_mark(self.disk)
+
+        if not start:
+            restore()
             (self.directory / RESUME_FROM).write_text(memory_snap.id + "\n")
+            return
+        in_place = (self._holds_size(self.disk, snap.size)
+                    and self._holds_size(self.machine.memory_image, memory_snap.size))
+        if in_place:
+            self.machine.launch(timeout, incoming=True, meanwhile=restore)
+        else:
+            self.machine.launch(timeout, incoming=True, mark=restore())
+
+    @staticmethod
+    def _holds_size(path: Path, size: int) -> bool:
+        try:
+            return os.stat(path).st_size == size
+        except OSError:
+            return False
 
     def _memory_of(self, snap: Snapshot, machine: Machine) -> Snapshot | None:
         """The memory snapshot of checkpoint ``snap`` (None for a disk-only
