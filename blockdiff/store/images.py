@@ -104,9 +104,9 @@ def capturing(store: StoreState, image: str | os.PathLike, *, parent: str | None
     layer in ``finish`` (a read the image's later writes cannot disturb)."""
     image = os.fspath(image)
     with image_locked(image, os.O_RDONLY) as fd, store.lock.shared():
-        capture = Capture(store, fd, image, parent, written, imported)
+        capture = Capture(store, fd, image, parent, imported)
         try:
-            capture.take(checksum_image, progress)
+            capture.take(written, checksum_image, progress)
             yield capture
         finally:
             capture.discard()
@@ -117,7 +117,7 @@ class Capture:
     layer (see :func:`capturing`)."""
 
     def __init__(self, store: StoreState, fd: int, image: str, parent: str | None,
-                 written: Written | None, imported: Snapshot | None):
+                 imported: Snapshot | None):
         self.store, self.fd, self.image, self.imported = store, fd, image, imported
         known, state = store.lineage(image)
         if state == "restoring":
@@ -135,10 +135,13 @@ class Capture:
         # is a clean copy of, at its size.
         self._clean_copy = (self.parent is not None and self.parent.id == known
                             and state == "clean")
-        self.written = written
-        self.record = None
+        self.snap_id = imported.id if imported else new_id()
+        self.layer = layer_number(self.snap_id)
+        self.layer_tmp: Path | None = store.object_files.staged(self.snap_id, "layer")
+        # Each capture's changes and where their data went in the layer.
+        self.rounds: list[tuple[RangeSet, np.ndarray]] = []
+        self.record = None   # the chunk checksums, once read
         self.snap: Snapshot | None = None
-        self.layer_tmp: Path | None = None
         # Called with the snapshot once committed (a shared store uploads it).
         self.on_commit = None
 
@@ -148,36 +151,43 @@ class Capture:
         return (self.parent is not None and len(self.changes) == 0
                 and self.emap.size == self.parent.size)
 
-    def take(self, checksum_image: bool, progress: Progress) -> None:
+    def _data(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(position in the layer, length)`` of the data of every round."""
+        runs = [(pos[c.kind == DATA], c.length[c.kind == DATA]) for c, pos in self.rounds]
+        return (np.concatenate([r[0] for r in runs]).astype(np.uint64),
+                np.concatenate([r[1] for r in runs]).astype(np.uint64))
+
+    def _clone(self, changes: RangeSet, base: int, record: bool = False,
+               progress: Progress = NO_PROGRESS) -> None:
+        """A round: the image's DATA changes cloned into the staged layer from
+        ``base`` on (each block-aligned, in order); with ``record``, their
+        checksums read from the image first (in the page cache after a step)."""
+        data_pos = fmt.layout_data(changes, version=2)
+        is_data = changes.kind == DATA
+        data_pos[is_data] += np.uint64(base)
+        src, dst, length = changes.offset[is_data], data_pos[is_data], changes.length[is_data]
+        if record:
+            self.record = chunk_record(self.layer, self.fd, self.image, src, dst, length,
+                                       progress=progress)
+        out = (self.store.object_files.create(self.layer_tmp) if not self.rounds
+               else os.open(self.layer_tmp, os.O_RDWR | os.O_CLOEXEC))
+        try:
+            native.transfer_ranges(self.fd, out, src, dst, length, self.layer_tmp)
+        finally:
+            os.close(out)
+        self.rounds.append((changes, data_pos))
+
+    def take(self, written: Written | None, checksum_image: bool, progress: Progress) -> None:
         store, fd, image = self.store, self.fd, self.image
         native.fsync(fd, image)
         size = os.fstat(fd).st_size
-        written = self.written
         if not (self._clean_copy and size == self.parent.size):
             written = None
         if self.parent is not None and self.basis is None and not store.copy_mode:
             written = None
         self.emap, self.changes = _changes(store, fd, image, size, self.parent,
                                            self.parent_map, self.basis, written)
-        self.snap_id = self.imported.id if self.imported else new_id()
-        self.layer = layer_number(self.snap_id)
-        data_pos = fmt.layout_data(self.changes, version=2)
-        # Each capture's changes and where their data went in the layer.
-        self.rounds = [(self.changes, data_pos)]
-        is_data = self.changes.kind == DATA
-        src, self.dst = self.changes.offset[is_data], data_pos[is_data]
-        self.length = self.changes.length[is_data]
-        if checksum_image:
-            # Checksums come from the image's bytes (in the page cache
-            # after the step), chunk by chunk; the data is reflinked.
-            self.record = chunk_record(self.layer, fd, image, src, self.dst, self.length,
-                                       progress=progress)
-        self.layer_tmp = store.object_files.staged(self.snap_id, "layer")
-        out = store.object_files.create(self.layer_tmp)
-        try:
-            native.transfer_ranges(fd, out, src, self.dst, self.length, self.layer_tmp)
-        finally:
-            os.close(out)
+        self._clone(self.changes, 0, record=checksum_image, progress=progress)
 
     def take_more(self) -> None:
         """Capture what the image changed since it was captured (or since
@@ -198,21 +208,9 @@ class Capture:
         self.emap = emap
         if not len(more):
             return
-        # Behind what the layer holds already, block-aligned.
-        used = int((self.dst + self.length).max()) if len(self.dst) else 0
-        base = np.uint64(-(-used // BLOCK) * BLOCK)
-        is_data = more.kind == DATA
-        data_pos = fmt.layout_data(more, version=2)
-        data_pos[is_data] += base
-        self.rounds.append((more, data_pos))
-        src, dst, length = more.offset[is_data], data_pos[is_data], more.length[is_data]
-        out = os.open(self.layer_tmp, os.O_RDWR | os.O_CLOEXEC)
-        try:
-            native.transfer_ranges(fd, out, src, dst, length, self.layer_tmp)
-        finally:
-            os.close(out)
-        self.dst, self.length = np.concatenate((self.dst, dst)), np.concatenate((self.length,
-                                                                                 length))
+        pos, length = self._data()
+        used = int((pos + length).max()) if len(pos) else 0
+        self._clone(more, -(-used // BLOCK) * BLOCK)   # behind what the layer holds
         self.record = None   # the checksums are read back from the layer
         starts, ends = union(np.concatenate((self.changes.offset, more.offset)),
                              np.concatenate((self.changes.offset + self.changes.length,
@@ -236,8 +234,9 @@ class Capture:
         try:
             with open(layer_tmp, "rb") as out:
                 if self.record is None:
-                    self.record = chunk_record(layer, out.fileno(), layer_tmp, self.dst,
-                                               self.dst, self.length)
+                    pos, length = self._data()
+                    self.record = chunk_record(layer, out.fileno(), layer_tmp, pos, pos,
+                                               length)
                 native.fsync(out.fileno(), layer_tmp)
             pieces = None if parent_map is None else parent_map.pieces
             for round_changes, data_pos in self.rounds:
