@@ -54,6 +54,7 @@ import signal
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -101,7 +102,6 @@ class Pause:
     """One pause of the VM (see :meth:`Machine.paused`)."""
 
     written: Written | None = None   # the guest's writes since the previous pause
-    mark: str | None = None          # set by the caller: the disk's lineage mark on resuming
     seconds: float = 0.0             # how long the VM was stopped, once it runs again
     memory: Path | None = None       # with memory=True: the memory image, device state saved
     device_state: int = 0            # bytes of device state behind the RAM
@@ -291,25 +291,16 @@ class Machine:
     def _start_meanwhile(self, launch: Launch, meanwhile):
         """Start QEMU in a thread while ``meanwhile()`` runs in this one;
         returns what it returns."""
-        failed: list[BaseException] = []
-
-        def start() -> None:
+        with ThreadPoolExecutor(1) as pool:
+            started = pool.submit(launch.start)
             try:
-                launch.start()
-            except BaseException as e:
-                failed.append(e)
-
-        starter = threading.Thread(target=start, daemon=True)
-        starter.start()
-        try:
-            result = meanwhile()
-        except BaseException:
-            starter.join()
-            self.kill()
-            raise
-        starter.join()
-        if failed:
-            raise failed[0]
+                result = meanwhile()
+            except BaseException:
+                with contextlib.suppress(VMError):
+                    started.result()
+                self.kill()
+                raise
+            started.result()
         return result
 
     def _sized_memory_image(self, fresh: bool) -> int:
@@ -460,13 +451,12 @@ class Machine:
 
         Yields a :class:`Pause`. Its ``written`` holds the byte ranges the
         guest wrote or discarded on its disk since the previous pause, when
-        the disk's lineage mark ``mark`` is the one that pause was given back
-        in ``pause.mark`` (no commit or restore came between); else None, as
-        without tracking. Set ``pause.mark`` within the block to the disk's
-        lineage mark once it is committed or restored, so that the next pause
-        can trust what this one starts to track (or call
-        :meth:`trust_tracking` after the block). ``seconds`` is set once the
-        VM runs again.
+        the disk's lineage mark ``mark`` is the one :meth:`trust_tracking`
+        was given after that pause (no commit or restore came between); else None, as
+        without tracking. Once the disk is committed or restored, call
+        :meth:`trust_tracking` with its new lineage mark, so that the next
+        pause can trust what this one starts to track. ``seconds`` is set
+        once the VM runs again.
 
         ``read_later``: the pause only freezes the old bitmap, and
         ``written`` is read by :meth:`read_written` once the VM runs again
@@ -477,7 +467,7 @@ class Machine:
 
         With ``memory`` (a QEMU whose RAM is the memory image), the device
         state is saved behind the RAM first and ``pause.memory`` names the
-        image: committed within the block, with the disk, it is a checkpoint
+        image: captured within the block, with the disk, it is a checkpoint
         of the whole VM.
         """
         with self.qmp() as q:
@@ -496,8 +486,6 @@ class Machine:
                     pause.memory = self.memory_image
                     pause.saving = time.monotonic() - saving
                 yield pause
-                if pause.generation is not None and pause.mark is not None:
-                    self.trust_tracking(pause, pause.mark)
             finally:
                 self.resume()
                 pause.seconds = time.monotonic() - stopped
@@ -524,9 +512,9 @@ class Machine:
 
     def trust_tracking(self, pause: Pause, mark: str) -> None:
         """After :meth:`paused`: the dirty bitmap that started in that pause
-        started with the disk being what lineage mark ``mark`` names: for a
-        commit whose changes were captured in the pause and which was
-        finished once the VM ran again."""
+        started with the disk being what lineage mark ``mark`` names (the
+        snapshot the disk was captured as, or restored to, in the pause or
+        with the guest unable to write)."""
         if pause.generation is not None:
             self.tracking.write(replace(pause.generation, mark=mark))
 

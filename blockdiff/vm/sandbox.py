@@ -15,8 +15,9 @@ starts a new VM from any snapshot.
 Whole-VM checkpoints: where the store is on a reflink filesystem (unless the
 VM was created with ``memory=False``), guest RAM is a file beside the disk,
 and a checkpoint commits it, with the device state behind it, as a second
-snapshot in the same pause as the disk's: the *memory snapshot*, which the
-disk snapshot's ``vm.memory`` names. :meth:`Sandbox.restore` and
+snapshot of the same moment as the disk's: the *memory snapshot*, which the
+disk snapshot's ``vm.memory`` names. The VM is paused only to capture what
+RAM changed since a capture taken just before (see ``_commit_paused``). :meth:`Sandbox.restore` and
 :meth:`Sandbox.fork` of such a checkpoint then bring the VM back running,
 its processes where they were, without a boot (``disk_only`` keeps the disk
 swap). The memory snapshot records the machine it can be resumed on
@@ -69,7 +70,7 @@ class CheckpointTiming:
     """Seconds spent in each phase of the last checkpoint."""
 
     freeze: float    # the guest flushing and freezing its filesystem
-    paused: float    # the VM stopped: the dirty bitmap read, the commit
+    paused: float    # the VM stopped: the bitmap swap, the device state, the captures
     total: float
     tracked: bool = False   # QEMU's dirty bitmap said what to map
     memory: bool = False    # RAM and device state are in the checkpoint too
@@ -322,17 +323,6 @@ class Sandbox:
             # memory checkpoint.
             (self.directory / RAN).touch()
             return link.exec(argv, timeout=timeout, stdin=input, cwd=cwd)
-
-    @contextlib.contextmanager
-    def _paused(self, memory: bool = False):
-        """The VM paused for a commit or a restore of its disk, done by the
-        block. Yields the machine's :class:`~blockdiff.vm.machine.Pause`,
-        whose ``written`` tells the store what the guest wrote since the disk
-        was its lineage snapshot; the new lineage mark is handed back to the
-        machine before the VM resumes."""
-        with self.machine.paused(self.store.lineage_mark(self.disk), memory=memory) as pause:
-            yield pause
-            pause.mark = self.store.lineage_mark(self.disk)
 
     def checkpoint(self, message: str = "", meta: dict | None = None,
                    ttl: float | None = None, skip_unchanged: bool = False,
@@ -627,8 +617,11 @@ class Sandbox:
         try:
             with self.machine.guest() as link:
                 link.detach(timeout=self.guest_timeout)
-                with self._paused() as pause:
+                with self.machine.paused(self.store.lineage_mark(self.disk)) as pause:
                     self.store.restore(snap.id, self.disk, written=pause.written)
+                # The bitmap that started in the pause started with the disk
+                # being the snapshot (the guest wrote nothing: detached).
+                self.machine.trust_tracking(pause, self.store.lineage_mark(self.disk))
                 link.attach(timeout=self.guest_timeout)
         except GuestError:
             return None
