@@ -103,6 +103,18 @@ def new_image(path: Path, rng) -> None:
     scribble(path, rng, writes=20, blocks=64)
 
 
+def start_line(xfs: Path, tmp_path: Path, seed: int):
+    """``(image, keep, rng)``: a new image on host A's filesystem, the
+    directory ``commit_line`` keeps snapshots' bytes in, and the random
+    source of its writes."""
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    rng = np.random.default_rng(seed)
+    image = xfs / "disk.img"
+    new_image(image, rng)
+    return image, keep, rng
+
+
 def commit_line(store: Store, image: Path, keep: Path, rng, count: int, **options):
     """``count`` commits of ``image``, each after some writes; a copy of each
     snapshot's bytes kept in ``keep``. Returns the ids."""
@@ -136,11 +148,7 @@ def layer_bytes(store: Store, snapshot_ids) -> int:
 def test_a_line_made_on_one_host_restores_on_another_fetching_only_what_it_lacks(
         hosts, xfs, host_b_dir, tmp_path):
     a, b = hosts
-    keep = tmp_path / "keep"
-    keep.mkdir()
-    rng = np.random.default_rng(1)
-    image = xfs / "disk.img"
-    new_image(image, rng)
+    image, keep, rng = start_line(xfs, tmp_path, 1)
     first = commit_line(a, image, keep, rng, 4)
     assert all(p.state == "durable" for p in b.placement())
 
@@ -172,11 +180,7 @@ def test_a_line_made_on_one_host_restores_on_another_fetching_only_what_it_lacks
 
 def test_commits_on_the_second_host_restore_on_the_first(hosts, xfs, host_b_dir, tmp_path):
     a, b = hosts
-    keep = tmp_path / "keep"
-    keep.mkdir()
-    rng = np.random.default_rng(2)
-    image = xfs / "disk.img"
-    new_image(image, rng)
+    image, keep, rng = start_line(xfs, tmp_path, 2)
     base = commit_line(a, image, keep, rng, 2)[-1]
 
     # B continues from A's snapshot: its first commit compares with the
@@ -206,11 +210,7 @@ def test_without_a_view_a_commit_compares_contents_and_later_ones_stay_right(
     keeps its address. Without a view, the commit must not trust another
     host's addresses; after it, writes in place must still be seen."""
     a, b = hosts
-    keep = tmp_path / "keep"
-    keep.mkdir()
-    rng = np.random.default_rng(3)
-    image = xfs / "disk.img"
-    new_image(image, rng)
+    image, keep, rng = start_line(xfs, tmp_path, 3)
     base = commit_line(a, image, keep, rng, 1)[-1]
     work = host_b_dir / "work.img"
     b.restore(base, work)
@@ -232,11 +232,7 @@ def test_without_a_view_a_commit_compares_contents_and_later_ones_stay_right(
 def test_a_snapshot_not_pushed_is_pending_and_named_by_the_host_that_has_it(
         hosts, xfs, host_b_dir, tmp_path):
     a, b = hosts
-    keep = tmp_path / "keep"
-    keep.mkdir()
-    rng = np.random.default_rng(4)
-    image = xfs / "disk.img"
-    new_image(image, rng)
+    image, keep, rng = start_line(xfs, tmp_path, 4)
     sid = commit_line(a, image, keep, rng, 1, push=False)[-1]
     assert {p.snapshot: p.state for p in a.placement()}[sid] == "local"
     assert {p.snapshot: p.state for p in b.placement()}[sid] == "pending"
@@ -256,11 +252,7 @@ def test_a_snapshot_not_pushed_is_pending_and_named_by_the_host_that_has_it(
 def test_a_damaged_or_missing_object_is_never_restored(hosts, xfs, host_b_dir, tmp_path,
                                                       s3_env, bucket_url):
     a, b = hosts
-    keep = tmp_path / "keep"
-    keep.mkdir()
-    rng = np.random.default_rng(5)
-    image = xfs / "disk.img"
-    new_image(image, rng)
+    image, keep, rng = start_line(xfs, tmp_path, 5)
     sid = commit_line(a, image, keep, rng, 1)[-1]
     name = layer_name(int(sid, 16))
     key = f"{bucket_url.split('/', 3)[3]}/{layer_key(name)}"
@@ -288,11 +280,7 @@ def test_a_damaged_or_missing_object_is_never_restored(hosts, xfs, host_b_dir, t
 def test_removing_a_snapshot_deletes_its_objects_for_every_host(
         hosts, xfs, host_b_dir, tmp_path, s3_env, bucket_url):
     a, b = hosts
-    keep = tmp_path / "keep"
-    keep.mkdir()
-    rng = np.random.default_rng(6)
-    image = xfs / "disk.img"
-    new_image(image, rng)
+    image, keep, rng = start_line(xfs, tmp_path, 6)
     first, second, third = commit_line(a, image, keep, rng, 3)
     b.restore(third, host_b_dir / "x.img")       # B holds every layer now
     prefix = bucket_url.split("/", 3)[3]
@@ -319,11 +307,7 @@ def test_removing_a_snapshot_deletes_its_objects_for_every_host(
 def test_eviction_drops_only_uploaded_copies_and_they_come_back(
         hosts, xfs, host_b_dir, tmp_path):
     a, b = hosts
-    keep = tmp_path / "keep"
-    keep.mkdir()
-    rng = np.random.default_rng(7)
-    image = xfs / "disk.img"
-    new_image(image, rng)
+    image, keep, rng = start_line(xfs, tmp_path, 7)
     ids = commit_line(a, image, keep, rng, 3)
     pending = commit_line(a, image, keep, rng, 1, push=False)
     evicted, freed = a.evict(0)
@@ -416,11 +400,7 @@ def test_the_object_store_killed_during_a_fetch_leaves_nothing_and_a_retry_works
         monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
         a = Store.init(xfs / "store", catalog=catalog, remote=f"s3://{server.bucket}/x")
         b = Store.init(host_b_dir / "store", catalog=catalog)
-        keep = tmp_path / "keep"
-        keep.mkdir()
-        rng = np.random.default_rng(9)
-        image = xfs / "disk.img"
-        new_image(image, rng)
+        image, keep, rng = start_line(xfs, tmp_path, 9)
         sid = commit_line(a, image, keep, rng, 1)[-1]
         real_pwrite = os.pwrite
 
@@ -448,11 +428,7 @@ def test_the_object_store_killed_during_a_fetch_leaves_nothing_and_a_retry_works
 def test_postgresql_restarted_between_commits_loses_nothing(hosts, xfs, host_b_dir, tmp_path,
                                                             postgres_server):
     a, b = hosts
-    keep = tmp_path / "keep"
-    keep.mkdir()
-    rng = np.random.default_rng(10)
-    image = xfs / "disk.img"
-    new_image(image, rng)
+    image, keep, rng = start_line(xfs, tmp_path, 10)
     before = commit_line(a, image, keep, rng, 2)
     postgres_server.restart()
     after = commit_line(a, image, keep, rng, 2)      # reconnects
@@ -500,11 +476,7 @@ def test_a_host_with_a_cache_size_keeps_its_copies_under_it(xfs, host_b_dir, cat
                                                             bucket_url, tmp_path):
     a = Store.init(xfs / "store", catalog=catalog, remote=bucket_url)
     b = Store.init(host_b_dir / "store", catalog=catalog, cache_size=256 * 1024)
-    keep = tmp_path / "keep"
-    keep.mkdir()
-    rng = np.random.default_rng(11)
-    image = xfs / "disk.img"
-    new_image(image, rng)                                    # a root layer of 5 MiB
+    image, keep, rng = start_line(xfs, tmp_path, 11)   # a root layer of 5 MiB
     ids = commit_line(a, image, keep, rng, 4)
 
     def held() -> int:
@@ -529,11 +501,7 @@ def test_fetching_restores_beside_a_host_evicting_and_sweeping(hosts, xfs, host_
     process of B evicts every copy it may and sweeps, over and over: every
     restore is byte for byte, none fails."""
     a, b = hosts
-    keep = tmp_path / "keep"
-    keep.mkdir()
-    rng = np.random.default_rng(12)
-    image = xfs / "disk.img"
-    new_image(image, rng)
+    image, keep, rng = start_line(xfs, tmp_path, 12)
     ids = commit_line(a, image, keep, rng, 4)
     store_b = host_b_dir / "store"
     evictor = subprocess.Popen(

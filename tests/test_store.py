@@ -10,6 +10,7 @@ import random
 import stat
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -208,6 +209,7 @@ def test_store_needs_reflink(ext4):
 
 _COMMITTER = """
 import sys
+import time
 from blockdiff.store.store import Store
 store = Store(sys.argv[1])
 for i in range(int(sys.argv[3])):
@@ -749,3 +751,54 @@ def test_a_capture_is_the_image_as_it_was_when_last_taken(store, xfs, seed):
     assert list((store.root / "staging").iterdir()) == []
     with pytest.raises(StoreError, match="finished or discarded"):
         capture.finish()
+
+
+def test_a_removal_of_the_parent_beside_an_open_capture(store, xfs):
+    # Another process removes a capture's parent (its only snapshot so far)
+    # while the capture is open, at various moments. Either the capture
+    # finishes first, and its snapshot restores byte for byte once the
+    # parent is gone, or the removal comes first and finish refuses as a
+    # commit would, leaving nothing staged and the image committable again.
+    rnd = random.Random(7)
+    image = xfs / "ram.img"
+    make_base_image(image, SIZE, 7)
+    for round_, wait in enumerate([0.0, 0.3, 0.8, 1.5, 3.0]):
+        parent = store.commit(image, message=f"parent {round_}")
+        _scribble(image, rnd, 10, mapped=True)
+        with store.capturing(image) as capture:
+            held = digest(image)
+            remover = subprocess.Popen(
+                [sys.executable, "-c", "import sys\n"
+                 "from blockdiff.store.store import Store\n"
+                 "with Store(sys.argv[1]) as s:\n"
+                 "    s.rm(sys.argv[2])\n", str(store.root), parent.id],
+                stderr=subprocess.PIPE, text=True)
+            snap = None
+            try:
+                time.sleep(wait)
+                _scribble(image, rnd, 5, mapped=False)
+                snap = capture.finish(message=f"child {round_}")
+            except StoreError as e:
+                assert "removed meanwhile; commit it again" in str(e)
+            except BaseException:
+                remover.kill()
+                raise
+        # The removal deletes files under the exclusive store lock, which
+        # waits for the capture's block to end.
+        try:
+            remover.wait(60)
+        finally:
+            remover.kill()
+        assert remover.returncode == 0, remover.stderr.read()
+        with pytest.raises(UnknownSnapshot):
+            store.get(parent.id)
+        assert list((store.root / "staging").iterdir()) == []
+        if snap is None:
+            snap = store.commit(image, message=f"again {round_}")
+            held = digest(image)
+        assert snap.id in {s.id for s in store.log()}
+        check = xfs / f"child{round_}.img"
+        store.restore(snap.id, check)
+        assert digest(check) == held
+        store.restore(snap.id, image)
+    assert store.verify() == {}

@@ -14,11 +14,12 @@ import os
 import signal
 import statistics
 import time
+from pathlib import Path
 
 import pytest
 import test_vm
 
-from blockdiff.errors import VMError
+from blockdiff.errors import Damaged, VMError
 from blockdiff.vm import machine as machine_module
 from blockdiff.vm import qemu
 from blockdiff.vm.sandbox import MEMORY_KEY, Sandbox
@@ -58,6 +59,14 @@ def alive(sandbox: Sandbox, pid: int) -> bool:
 
 def payload_hash(sandbox: Sandbox) -> str:
     return run(sandbox, "sha256sum /mnt/ram/payload").split()[0]
+
+
+def runs_qemu_of(pid: int, name: str) -> bool:
+    """Whether process ``pid`` is the QEMU of VM ``name``."""
+    try:
+        return f"blockdiff-{name}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def running_step(sandbox: Sandbox) -> tuple[int, str]:
@@ -196,6 +205,35 @@ def test_a_disk_written_after_the_pause_is_captured_again_in_one(store, box, mon
     box.restore(checkpoint)
     assert alive(box, pid) and payload_hash(box) == digest
     assert run(box, "cat /one") == "one\n" and box.exec("test -e /later").status == 1
+
+
+def test_a_restore_failing_while_qemu_starts_leaves_no_qemu(store, box, monkeypatch):
+    # QEMU starts while the disk and the memory image are restored in place;
+    # should the memory image's restore fail once QEMU runs, that QEMU is
+    # killed, and the checkpoint restores afterwards.
+    pid, digest = running_step(box)
+    checkpoint = box.checkpoint("good")
+    run(box, "echo later > /later")
+    real_restore, started = store.restore, []
+
+    def failing(snapshot_id, image, **kw):
+        if Path(image) == box.machine.memory_image:
+            deadline = time.monotonic() + 30
+            while box.machine.pid is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            started.append(box.machine.pid)
+            raise Damaged("a layer of the memory snapshot fails its checksums (injected)")
+        return real_restore(snapshot_id, image, **kw)
+
+    monkeypatch.setattr(store, "restore", failing)
+    with pytest.raises(Damaged, match="injected"):
+        box.restore(checkpoint)
+    monkeypatch.undo()
+    assert started and started[0] is not None   # QEMU had started meanwhile
+    assert not box.running and not runs_qemu_of(started[0], "box")
+    box.restore(checkpoint)
+    assert alive(box, pid) and payload_hash(box) == digest
+    assert box.exec("test -e /later").status == 1
 
 
 def test_a_checkpoint_of_another_machine_is_refused_with_what_to_do(
