@@ -283,6 +283,13 @@ def fsync(fd: int, path: str | os.PathLike) -> None:
     _check(lib.bd_fsync(fd), path)
 
 
+def write_out(fd: int, path: str | os.PathLike) -> None:
+    """Write a file's dirty pages out and wait until they are: on XFS its
+    extent map is then final (a copy-on-write is remapped before the page
+    counts as written), without fsync's log force. Not durable by itself."""
+    _check(lib.bd_write_out(fd), path)
+
+
 def truncate(fd: int, size: int, path: str | os.PathLike) -> None:
     """ftruncate, with the path in the error."""
     _check(lib.bd_truncate(fd, size), path)

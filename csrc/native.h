@@ -78,6 +78,9 @@ int bd_read_blocks(int fd, const uint64_t *offsets, size_t n, uint32_t block,
                    uint8_t *out);
 
 int bd_fsync(int fd);
+/* Write a file's dirty pages out and wait for them (sync_file_range over the
+ * whole file): its extents are then final, without fsync's log force. */
+int bd_write_out(int fd);
 int bd_truncate(int fd, uint64_t size);
 
 /* statfs f_type and the fundamental block size, plus st_dev. */

@@ -31,6 +31,7 @@ from blockdiff.engine.extents import (
     differing_pieces,
     normalize_ranges,
     overlay,
+    partition,
     pieces_within,
     remap,
     union,
@@ -47,6 +48,8 @@ from blockdiff.store.state import StoreState
 from blockdiff.store.views import host_extents, record_view
 
 BLOCK = 4096
+# Pages compared at a time with the parent's (see Capture._keep_changed_pages).
+COMPARED_PAGES = 4096
 
 # ``(offsets, lengths)`` of the byte ranges written to an image.
 Written = tuple[np.ndarray, np.ndarray]
@@ -92,7 +95,8 @@ def commit(store: StoreState, image: str | os.PathLike, *, parent: str | None = 
 @contextlib.contextmanager
 def capturing(store: StoreState, image: str | os.PathLike, *, parent: str | None = None,
               written: Written | None = None, imported: Snapshot | None = None,
-              checksum_image: bool = False, progress: Progress = NO_PROGRESS):
+              checksum_image: bool = False, only_changed_pages: bool = False,
+              progress: Progress = NO_PROGRESS):
     """A commit in two halves (see ``Store.capturing``). On entering, the
     image's changes since its parent are found and cloned into a staged
     layer: all that needs the image to hold still. Yields the
@@ -101,10 +105,15 @@ def capturing(store: StoreState, image: str | os.PathLike, *, parent: str | None
 
     ``checksum_image``: the chunk checksums are read from the image on
     entering (in the page cache after a step) instead of from the staged
-    layer in ``finish`` (a read the image's later writes cannot disturb)."""
+    layer in ``finish`` (a read the image's later writes cannot disturb).
+
+    ``only_changed_pages``: ``finish`` compares what was captured with the
+    parent page by page and stores only the pages whose bytes differ (see
+    ``Store.capturing``)."""
     image = os.fspath(image)
     with image_locked(image, os.O_RDONLY) as fd, store.lock.shared():
         capture = Capture(store, fd, image, parent, imported)
+        capture.only_changed_pages = only_changed_pages
         try:
             capture.take(written, checksum_image, progress)
             yield capture
@@ -141,6 +150,7 @@ class Capture:
         # Each capture's changes and where their data went in the layer.
         self.rounds: list[tuple[RangeSet, np.ndarray]] = []
         self.record = None   # the chunk checksums, once read
+        self.only_changed_pages = False
         self.snap: Snapshot | None = None
         # Called with the snapshot once committed (a shared store uploads it).
         self.on_commit = None
@@ -198,8 +208,10 @@ class Capture:
         if self.store.copy_mode:
             raise Unsupported("a capture is topped up by extent maps, which need reflink")
         fd, image = self.fd, self.image
-        native.fsync(fd, image)
-        emap = ExtentMap.of_file(fd, image, sync=False)   # fsynced above
+        # Written out, not fsynced: the extent map is then final, and the
+        # layer's fsync in finish() makes the data it shares durable.
+        native.write_out(fd, image)
+        emap = ExtentMap.of_file(fd, image, sync=False)   # written out above
         emap.check_supported(image)
         if emap.size != self.emap.size:
             raise StoreError(f"{image} changed size while it was being committed; "
@@ -210,6 +222,8 @@ class Capture:
             return
         pos, length = self._data()
         used = int((pos + length).max()) if len(pos) else 0
+        if used % BLOCK:
+            more = _with_short_tail(more, emap.size)
         self._clone(more, -(-used // BLOCK) * BLOCK)   # behind what the layer holds
         self.record = None   # the checksums are read back from the layer
         starts, ends = union(np.concatenate((self.changes.offset, more.offset)),
@@ -232,6 +246,9 @@ class Capture:
         layer_path = store.layer_path(layer)
         placed: list[Path] = []
         try:
+            if self.only_changed_pages:
+                self._keep_changed_pages()
+                changes, emap = self.changes, self.emap
             with open(layer_tmp, "rb") as out:
                 if self.record is None:
                     pos, length = self._data()
@@ -287,12 +304,161 @@ class Capture:
             self.on_commit(snap)
         return snap
 
+    def _keep_changed_pages(self) -> None:
+        """Leave out of the staged layer every page whose bytes are the
+        parent's: the rounds become one, of the pages that differ, in a new
+        layer cloned from the old one, and the changes are those pages.
+
+        The pages left out keep the parent's pieces and extents. Not the
+        image's: their blocks are in no layer now, so the image writes them
+        in place, which only a change of extent would have shown; recorded
+        as the parent's, they count as changed again at the next commit."""
+        if self.parent is None or self.basis is None or not self.rounds:
+            return
+        page, kind, pos, length = _final_pages(self.rounds)
+        same = np.zeros(len(page), bool)
+        # A short last page is kept as it is.
+        at = np.flatnonzero(length == BLOCK)
+        for first in range(0, len(at), COMPARED_PAGES):   # bounded buffers
+            part = at[first:first + COMPARED_PAGES]
+            same[part] = _same_as_parent(self.store, self.parent_map, self.layer_tmp,
+                                         page[part], pos[part], kind[part] == ZERO)
+        if not same.any():
+            return
+        keep = ~same
+        page, kind, pos, length = page[keep], kind[keep], pos[keep], length[keep]
+        # One range per run of pages of one kind whose data also runs on.
+        b = np.uint64(BLOCK)
+        cut = np.ones(len(page), bool)
+        cut[1:] = ((page[1:] != page[:-1] + 1) | (kind[1:] != kind[:-1])
+                   | ((kind[1:] == DATA) & (pos[1:] != pos[:-1] + b)))
+        first = np.flatnonzero(cut)
+        kept = (RangeSet(page[first] * b, np.add.reduceat(length, first).astype(np.uint64),
+                         kind[first]) if len(page) else RangeSet.empty())
+        data_pos = fmt.layout_data(kept, version=2)
+        is_data = kept.kind == DATA
+        fresh = self.store.object_files.staged(self.snap_id, "pages")
+        out = self.store.object_files.create(fresh)
+        try:
+            with open(self.layer_tmp, "rb") as old:
+                src = pos[first][is_data]
+                # Whole blocks, so that even the image's short last page is
+                # cloned (a partial block clones only at both files' ends).
+                length = np.minimum((kept.length[is_data] + b - np.uint64(1)) // b * b,
+                                    np.uint64(os.fstat(old.fileno()).st_size) - src)
+                _, cloned = native.transfer_ranges(old.fileno(), out, src, data_pos[is_data],
+                                                   length, fresh)
+        except BaseException:
+            os.close(out)
+            fresh.unlink()
+            raise
+        os.close(out)
+        if cloned != len(src):
+            # A copied block is the image's alone, which writes it in place
+            # where no change of extent shows: keep the layer as it is.
+            fresh.unlink()
+            return
+        os.replace(fresh, self.layer_tmp)
+        self.rounds = [(kept, data_pos)]
+        self.record = None   # read back from the new layer
+        starts, ends = kept.offset, kept.offset + kept.length
+        inside, _ = partition(self.emap, starts, ends)
+        self.emap, _ = remap(self.basis, starts, ends, inside, size=self.emap.size)
+        self.changes = kept
+
     def discard(self) -> None:
         """The staged layer of a capture never finished goes."""
         if self.layer_tmp is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.layer_tmp.unlink()
             self.layer_tmp = None
+
+
+def _with_short_tail(changes: RangeSet, size: int) -> RangeSet:
+    """The changes with the image's short last block as data. A layer that
+    ends in that block, cloned from the image, has it shared only while
+    nothing is cloned behind it: the kernel first zeroes the rest of the
+    block, which copies it, and the image's then is its own, written in
+    place where no change of extent shows. Taken again, last, it is shared
+    once more."""
+    tail = size // BLOCK * BLOCK
+    if len(changes) and int(changes.offset[-1] + changes.length[-1]) == size \
+            and changes.kind[-1] == DATA and int(changes.offset[-1]) <= tail:
+        return changes
+    keep = changes.offset < np.uint64(tail)
+    offset, length, kind = changes.offset[keep], changes.length[keep], changes.kind[keep]
+    length = np.minimum(length, np.uint64(tail) - offset)
+    return RangeSet(np.append(offset, np.uint64(tail)), np.append(length, np.uint64(size - tail)),
+                    np.append(kind, np.uint8(DATA)))
+
+
+def _final_pages(rounds) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(page number, kind, position in the layer, bytes)`` of every page
+    the rounds of a capture change, sorted, each as its last round leaves it
+    (the image's last page may be short)."""
+    b = np.uint64(BLOCK)
+    pages, kinds, positions, lengths, order = [], [], [], [], []
+    for r, (changes, data_pos) in enumerate(rounds):
+        counts = ((changes.length + b - np.uint64(1)) // b).astype(np.int64)  # from a page on
+        total = int(counts.sum())
+        within = np.arange(total, dtype=np.uint64) - np.repeat(
+            (np.cumsum(counts) - counts).astype(np.uint64), counts)
+        pages.append(np.repeat(changes.offset // b, counts) + within)
+        kinds.append(np.repeat(changes.kind, counts))
+        positions.append(np.repeat(data_pos.astype(np.uint64), counts) + within * b)
+        lengths.append(np.minimum(np.repeat(changes.length, counts) - within * b, b))
+        order.append(np.full(total, r))
+    page, kind, pos, length = (np.concatenate(x) for x in (pages, kinds, positions, lengths))
+    by = np.lexsort((np.concatenate(order), page))
+    page, kind, pos, length = page[by], kind[by], pos[by], length[by]
+    last = np.ones(len(page), bool)
+    last[:-1] = page[1:] != page[:-1]
+    return page[last], kind[last], pos[last], length[last]
+
+
+def _same_as_parent(store: StoreState, parent_map: SnapshotMap, layer_path: Path,
+                    page: np.ndarray, pos: np.ndarray, zero: np.ndarray) -> np.ndarray:
+    """Which of the pages (sorted numbers; zeros where ``zero``, else their
+    data at ``pos`` in the layer at ``layer_path``) hold the parent's bytes,
+    read from its layers. A page whose parent layer is not on this host
+    counts as different."""
+    b = np.uint64(BLOCK)
+    n = len(page)
+    new = np.zeros((n, BLOCK), np.uint8)
+    old = np.zeros((n, BLOCK), np.uint8)
+    known = np.ones(n, bool)
+    # Runs of pages that follow each other in the image (and, for the new
+    # bytes, in the layer): one read each.
+    image_run = np.flatnonzero(np.r_[True, page[1:] != page[:-1] + 1])
+    layer_run = np.flatnonzero(np.r_[True, (page[1:] != page[:-1] + 1)
+                                     | (pos[1:] != pos[:-1] + b) | zero[1:] | zero[:-1]])
+    flat_new, flat_old = new.reshape(-1), old.reshape(-1)
+    with open(layer_path, "rb") as f:
+        for first, end in zip(layer_run, np.append(layer_run[1:], n)):
+            if zero[first]:
+                continue
+            got = os.preadv(f.fileno(), [memoryview(flat_new[first * BLOCK:end * BLOCK])],
+                            int(pos[first]))
+            known[first + got // BLOCK:end] = False
+    ends = np.append(image_run[1:], n)
+    pieces, _ = pieces_within(parent_map.pieces, page[image_run] * b, (page[ends - 1] + 1) * b)
+    rows = np.searchsorted(page, pieces.offset // b)
+    for layer in np.unique(pieces.layer):
+        mine = np.flatnonzero(pieces.layer == layer)
+        try:
+            f = open(store.layer_path(int(layer)), "rb")
+        except FileNotFoundError:   # a shared store's layer held elsewhere
+            for i in mine:
+                known[rows[i]:rows[i] + -(-int(pieces.length[i]) // BLOCK)] = False
+            continue
+        with f:
+            for i in mine:
+                at, length = int(rows[i]) * BLOCK, int(pieces.length[i])
+                got = os.preadv(f.fileno(), [memoryview(flat_old[at:at + length])],
+                                int(pieces.pos[i]))
+                if got < length:   # a short layer: never taken as the same
+                    known[(at + got) // BLOCK:-(-(at + length) // BLOCK)] = False
+    return known & (new == old).all(axis=1)
 
 
 def _changes(store: StoreState, fd: int, image: str, size: int, parent_snap: Snapshot | None,

@@ -39,6 +39,8 @@ import grp
 import os
 from pathlib import Path
 
+import numpy as np
+
 from blockdiff import native
 from blockdiff.engine import diff as engine
 from blockdiff.engine.extents import RangeSet
@@ -56,6 +58,7 @@ from blockdiff.errors import (
 from blockdiff.progress import NO_PROGRESS, Progress
 from blockdiff.store import compaction, images, removal, replication, transfer, verify
 from blockdiff.store.catalog import Catalog, Snapshot
+from blockdiff.store.ids import layer_number
 from blockdiff.store.images import BLOCK, RestoreResult, Written
 from blockdiff.store.lineage import LINEAGE_XATTR
 from blockdiff.store.maps import MAP_CHAIN, MAP_ERRORS, SnapshotMap
@@ -308,6 +311,25 @@ class Store(StoreState):
         """The ranges where snapshot ``b`` differs from snapshot ``a``."""
         return self.differences(self.get(a), self.get(b))
 
+    def recently_written(self, snapshot_id: str, depth: int,
+                         limit: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(offsets, lengths)``, sorted, of the bytes of a snapshot that it
+        or one of its ``depth - 1`` nearest ancestors wrote (held in their own
+        layers, not inherited from further back), as far back as they add up
+        to at most ``limit`` bytes: where the image was written lately, and
+        so is likely to be written again."""
+        snap = self.get(snapshot_id)
+        pieces = self.load_map(snap).pieces
+        recent, total = [], 0
+        for s in self.catalog.ancestry(snap.id)[:depth]:
+            layer = layer_number(s.id)
+            total += int(pieces.length[pieces.layer == layer].sum())
+            if total > limit:
+                break
+            recent.append(layer)
+        mine = np.isin(pieces.layer, recent)
+        return pieces.offset[mine], pieces.length[mine]
+
     # ------------------------------------------------------ commit, restore
 
     def commit(self, image: str | os.PathLike, *, parent: str | None = None, message: str = "",
@@ -344,7 +366,7 @@ class Store(StoreState):
 
     @contextlib.contextmanager
     def capturing(self, image: str | os.PathLike, *, parent: str | None = None,
-                  written: Written | None = None):
+                  written: Written | None = None, only_changed_pages: bool = False):
         """A commit in two halves, for an image that may change again before
         the snapshot is in the catalog: on entering the block, the image's
         changes are cloned into a staged layer (the part that needs the
@@ -352,8 +374,14 @@ class Store(StoreState):
         capture's ``finish(message=, meta=, ttl=)`` commits them as
         :meth:`commit` would and returns the snapshot, which is of the image
         as it was on entering. Its ``unchanged`` says whether the image was
-        its parent. Unfinished when the block ends, nothing is committed."""
-        with images.capturing(self, image, parent=parent, written=written) as capture:
+        its parent. Unfinished when the block ends, nothing is committed.
+
+        ``only_changed_pages``: store only the 4 KiB pages whose bytes differ
+        from the parent's, found by reading both when finishing; for images
+        such as a VM's memory, whose changed extents hold many pages written
+        back unchanged."""
+        with images.capturing(self, image, parent=parent, written=written,
+                              only_changed_pages=only_changed_pages) as capture:
             capture.on_commit = self._push_committed
             yield capture
 
