@@ -202,7 +202,7 @@ class Machine:
     def launch(self, timeout: float = DEFAULT_BOOT_TIMEOUT,
                progress: Progress = NO_PROGRESS, *, memory: bool = False,
                incoming: bool = False, mark: str | None = None,
-               meanwhile=None) -> None:
+               meanwhile=None, hot=None) -> None:
         """Start QEMU, wait until the guest daemon answers, and start tracking
         the guest's disk writes, each a phase of ``progress``. If the guest
         does not come up in time, or QEMU exits, QEMU is killed and the
@@ -223,7 +223,11 @@ class Machine:
         size changed), and returning the disk's lineage mark then (taken
         for ``mark``): QEMU opens the files, but reads neither until the
         device state is loaded, as in a migration over shared storage.
-        Should it raise, QEMU is killed."""
+        Should it raise, QEMU is killed.
+
+        ``hot`` (with ``incoming``): ``(offsets, lengths)`` of the memory
+        image that the guest is likely to write soon, whose page cache is
+        warmed before the guest runs; the rest is warmed while it runs."""
         name = self.vm.name
         if self.running:
             raise VMError(f"VM {name} is already running")
@@ -237,34 +241,28 @@ class Machine:
         steps.begin("starting QEMU")
         began = time.monotonic()
         accel, _ = choose_accel(kernel, initrd)
-        warming = None
-        if memory and meanwhile is None:
-            # A boot warms the page cache before QEMU runs the guest. A resume
-            # warms it while QEMU starts and loads the device state: QEMU
-            # touches no guest RAM until the guest runs (cont).
-            warming = _Warming(self._sized_memory_image(fresh=not incoming), self.ram_bytes)
-            if not incoming:
-                warming.join()
+        if memory:
+            # The memory image must be at its size before QEMU maps it. A
+            # boot warms its page cache before QEMU runs the guest; a resume
+            # once the guest runs (see _resume_incoming).
+            fd = self._sized_memory_image(fresh=not incoming)
+            try:
+                if not incoming:
+                    with contextlib.suppress(OSError):   # only slower checkpoints
+                        warm_page_cache(fd, self.ram_bytes)
+            finally:
+                os.close(fd)
         (self.directory / CONSOLE_LOG).unlink(missing_ok=True)
-        try:
-            if meanwhile is None:
-                self._launch(accel, memory=memory, incoming=incoming).start()
-            else:
-                # The memory image must be at its size before QEMU maps it;
-                # it is warmed once its restore has rewritten it.
-                os.close(self._sized_memory_image(fresh=False))
-                mark = self._start_meanwhile(self._launch(accel, memory=True, incoming=True),
-                                             meanwhile)
-                warming = _Warming(self._sized_memory_image(fresh=False), self.ram_bytes)
-        except BaseException:
-            if warming is not None:
-                warming.join()
-            raise
+        if meanwhile is None:
+            self._launch(accel, memory=memory, incoming=incoming).start()
+        else:
+            mark = self._start_meanwhile(self._launch(accel, memory=True, incoming=True),
+                                         meanwhile)
         (self.directory / ACCEL_FILE).write_text(accel + "\n")
         self.last_launch = {"qemu": time.monotonic() - began}
         if incoming:
             steps.begin("resuming from the checkpoint")
-            self._resume_incoming(timeout, mark, warming)
+            self._resume_incoming(timeout, mark, hot)
             return steps.end()
         deadline = time.monotonic() + timeout
         steps.begin(f"booting: waiting for the guest daemon ({accel})")
@@ -323,7 +321,7 @@ class Machine:
             raise
         return fd
 
-    def _resume_incoming(self, timeout: float, mark: str | None, warming: "_Warming") -> None:
+    def _resume_incoming(self, timeout: float, mark: str | None, hot) -> None:
         """QEMU started with ``-incoming defer``: load the device state from
         the memory image, start dirty tracking, run the guest and have its
         daemon fix the clock and the RNG and let its processes go."""
@@ -347,21 +345,32 @@ class Machine:
                 with contextlib.suppress(VMError, OSError):
                     self.tracking.write(Generation(self.pid, start_dirty_tracking(q, dir_fd),
                                                    mark))
-                warming.join()
-                warmed = time.monotonic()
+                if hot is not None:
+                    warm_fd = os.open(self.memory_image, os.O_RDONLY | os.O_CLOEXEC)
+                    try:
+                        with contextlib.suppress(OSError):   # only slower checkpoints
+                            warm_page_cache_ranges(warm_fd, *hot)
+                    finally:
+                        os.close(warm_fd)
+                tracked = time.monotonic()
                 q.command("cont")
                 running = time.monotonic()
                 link.resume(timeout=timeout)
+            # The rest is warmed while the guest runs, not before: on a
+            # fork's new file the warm-up reads the whole image, which would
+            # slow QEMU's start on these cores more than it saves. What the
+            # guest faults in first is cached in large folios, which are
+            # written back whole if dirtied, but stored no larger (only the
+            # pages whose bytes changed are).
+            _warm_in_background(self._sized_memory_image(fresh=False), self.ram_bytes)
             # A daemon that resumed knows memory checkpoints.
             (self.directory / GUESTD_VERSION).write_text(
                 f"blockdiff-guestd {MEMORY_CHECKPOINT_VERSION}\n")
         except (VMError, GuestError) as e:
-            warming.join()
             self.kill()
             raise VMError(f"VM {name} did not resume from its checkpoint: {e}") from None
-        self.last_launch |= {"incoming": loaded - began, "tracking+warm": warmed - loaded,
-                             "cont": running - warmed, "guest": time.monotonic() - running,
-                             "warm": warming.seconds}
+        self.last_launch |= {"incoming": loaded - began, "tracking": tracked - loaded,
+                             "cont": running - tracked, "guest": time.monotonic() - running}
 
     def shutdown(self, timeout: float = 20.0) -> None:
         """Power the guest off cleanly (its disk unmounted); QEMU is killed if
@@ -603,28 +612,18 @@ def _wait_exit(pid: int, timeout: float) -> bool:
 # ------------------------------------------------------------------ memory
 
 
-class _Warming:
-    """:func:`warm_page_cache` of an open descriptor, in a thread (the kernel
-    reads ahead without the GIL); the descriptor is closed once done."""
+def _warm_in_background(fd: int, length: int) -> None:
+    """:func:`warm_page_cache` of an open descriptor in a thread of its own
+    (the kernel reads ahead without the GIL), which closes it once done."""
 
-    def __init__(self, fd: int, length: int):
-        self.seconds = 0.0
-        self.error: OSError | None = None
-        self._thread = threading.Thread(target=self._run, args=(fd, length), daemon=True)
-        self._thread.start()
-
-    def _run(self, fd: int, length: int) -> None:
-        began = time.monotonic()
+    def run() -> None:
         try:
-            warm_page_cache(fd, length)
-        except OSError as e:   # only slower checkpoints: never fatal
-            self.error = e
+            with contextlib.suppress(OSError):   # only slower checkpoints: never fatal
+                warm_page_cache(fd, length)
         finally:
             os.close(fd)
-            self.seconds = time.monotonic() - began
 
-    def join(self) -> None:
-        self._thread.join()
+    threading.Thread(target=run, name="warm-memory-image", daemon=True).start()
 
 
 def warm_page_cache(fd: int, length: int) -> None:
@@ -634,6 +633,14 @@ def warm_page_cache(fd: int, length: int) -> None:
     cannot replace; pages already cached are skipped."""
     for offset in range(0, length, WARM_STEP):
         os.posix_fadvise(fd, offset, min(WARM_STEP, length - offset), os.POSIX_FADV_WILLNEED)
+
+
+def warm_page_cache_ranges(fd: int, offsets, lengths) -> None:
+    """:func:`warm_page_cache` of some ranges of a file only."""
+    for offset, length in zip(np.asarray(offsets).tolist(), np.asarray(lengths).tolist()):
+        for at in range(offset, offset + length, WARM_STEP):
+            os.posix_fadvise(fd, at, min(WARM_STEP, offset + length - at),
+                             os.POSIX_FADV_WILLNEED)
 
 
 def set_ignore_shared(q: QMP) -> None:
