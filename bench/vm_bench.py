@@ -34,8 +34,9 @@ a file, ``-incoming`` from it) and the disk-only checkpoint:
   device state), with and without the 4 KiB page-cache warm-up that
   counters QEMU's MADV_HUGEPAGE;
 - restore to running with the processes (QEMU killed, disk and memory
-  restored, resumed), at a random earlier step;
-- fork to running: a new VM resumed from a checkpoint.
+  restored, resumed until the guest daemon answered), at a random earlier
+  step, and until a first command ran;
+- fork to running: a new VM resumed from a checkpoint, the same two ways.
 
 Checkpoints and swap restores read QEMU's dirty bitmap (all but the first
 checkpoint after a boot); the report says how many did.
@@ -230,13 +231,14 @@ def run_memory(args, store: Store, base: Path, image, pool_blocks: int, rnd: ran
     from blockdiff.vm import machine as machine_module
 
     box = Sandbox.create(store, "whole", image=base, kernel=image.directory)
-    cold = []
+    cold, cold_command = [], []
     for _ in range(REBOOT_SAMPLES):
         box._kill()
         start = time.monotonic()
-        box.start()
-        until_running(box)
+        box.start()                      # until the guest daemon answers
         cold.append(time.monotonic() - start)
+        until_running(box)
+        cold_command.append(time.monotonic() - start)
     pid = int(box.exec(COUNTER).stdout)
     assert box.exec("mkdir -p /mnt/ram && mount -t tmpfs -o size=160m tmpfs /mnt/ram").status == 0
     pause, total, stored, ids = [], [], [], []
@@ -259,24 +261,27 @@ def run_memory(args, store: Store, base: Path, image, pool_blocks: int, rnd: ran
         assert box.exec(step_command(1000 + k, pool_blocks, rnd)).status == 0
         box.checkpoint("disk only", memory=False)
         disk_only.append(box.last_checkpoint.paused)
-    restore, phases = [], []
+    restore, restore_command, phases = [], [], []
     for k in rnd.sample(range(1, args.memory_steps), min(RESTORE_SAMPLES, args.memory_steps - 1)):
         start = time.monotonic()
-        timing = box.restore(ids[k])
-        until_running(box)
+        timing = box.restore(ids[k])     # until the guest daemon has resumed it
         restore.append(time.monotonic() - start)
+        until_running(box)
+        restore_command.append(time.monotonic() - start)
         phases.append(box.last_restore_phases | box.machine.last_launch)
         assert timing.memory and box.exec(f"kill -0 {pid}").status == 0
         assert box.exec("cat /data/last").stdout == f"{k}\n".encode()
-    fork = []
+    fork, fork_command = [], []
     for i, k in enumerate(rnd.sample(range(args.memory_steps), MEMORY_FORKS)):
         start = time.monotonic()
         other = box.fork(ids[k], f"whole-fork{i}")
-        until_running(other)
         fork.append(time.monotonic() - start)
+        until_running(other)
+        fork_command.append(time.monotonic() - start)
         assert other.exec(f"kill -0 {pid}").status == 0
         other.destroy()
-    qemu_save, qemu_restore, saved_bytes = full_ram_save_restore(store, base, image, work)
+    qemu_save, qemu_restore, qemu_command, saved_bytes = full_ram_save_restore(
+        store, base, image, work)
     # The same small steps on a VM whose page cache is not warmed in 4 KiB
     # pages: QEMU's MADV_HUGEPAGE makes them 2 MiB folios.
     real_warm = machine_module.warm_page_cache
@@ -294,12 +299,15 @@ def run_memory(args, store: Store, base: Path, image, pool_blocks: int, rnd: ran
         machine_module.warm_page_cache = real_warm
     box.destroy()
     return {"memory_mb": box.vm.memory_mb, "steps": args.memory_steps,
-            "cold_boot": stats(cold), "paused": stats(pause) | {"samples": pause},
+            "cold_boot": stats(cold), "cold_boot_command": stats(cold_command),
+            "paused": stats(pause) | {"samples": pause},
             "total": stats(total), "stored": stats(stored[1:]) | {"first": stored[0]},
             "dirty_mib": DIRTY_MIB, "big_paused": stats(big_pause),
             "big_stored": stats(big_stored), "disk_only_paused": stats(disk_only),
-            "restore": stats(restore), "restore_phases": phases, "fork": stats(fork),
+            "restore": stats(restore), "restore_command": stats(restore_command),
+            "restore_phases": phases, "fork": stats(fork), "fork_command": stats(fork_command),
             "qemu_save_paused": stats(qemu_save), "qemu_restore": stats(qemu_restore),
+            "qemu_restore_command": stats(qemu_command),
             "qemu_saved_bytes": saved_bytes, "unwarmed_stored": stats(unwarmed[1:])}
 
 
@@ -313,7 +321,7 @@ def full_ram_save_restore(store: Store, base: Path, image, work: Path):
     box.start()
     assert box.exec(COUNTER).status == 0
     saved = box.directory / "full-ram.state"
-    pauses, restores = [], []
+    pauses, restores, commands = [], [], []
     try:
         for _ in range(REBOOT_SAMPLES):
             with box.machine.qmp() as q:
@@ -344,12 +352,15 @@ def full_ram_save_restore(store: Store, base: Path, image, work: Path):
                 q.command("migrate-incoming", uri="fd:full")
                 wait_for_migration(q, 120, "loading the whole VM")
                 q.command("cont")
-            until_running(box)
+            with box.machine.guest() as link:
+                link.ping(timeout=60)
             restores.append(time.monotonic() - start)
+            until_running(box)
+            commands.append(time.monotonic() - start)
         size = os.path.getsize(saved)
     finally:
         box.destroy()
-    return pauses, restores, size
+    return pauses, restores, commands, size
 
 
 def copy_file(src: Path, dst: Path) -> None:
@@ -431,6 +442,7 @@ def memory_table(r: dict) -> str:
         return f"{b / MiB:.1f} MiB"
 
     cold, save, load = m["cold_boot"]["p50"], m["qemu_save_paused"]["p50"], m["qemu_restore"]["p50"]
+    cold_command, load_command = m["cold_boot_command"]["p50"], m["qemu_restore_command"]["p50"]
     disk = m["disk_only_paused"]["p50"]   # on the same VM, between its whole-VM steps
     out = ["| whole-VM checkpoint | p50 | p99 | against |", "|---|---|---|---|",
            f"| pause, small step | {ms(m['paused']['p50'])} | "
@@ -444,8 +456,15 @@ def memory_table(r: dict) -> str:
            f"{ms(m['restore']['p99']) if m['restore']['p99'] else '–'} | "
            f"{m['restore']['p50'] / cold:.2f}× a cold boot ({ms(cold)}); "
            f"{m['restore']['p50'] / load:.2f}× QEMU's full-RAM restore ({ms(load)}) |",
+           f"| … and a first command run | {ms(m['restore_command']['p50'])} | "
+           f"{ms(m['restore_command']['p99']) if m['restore_command']['p99'] else '–'} | "
+           f"{m['restore_command']['p50'] / cold_command:.2f}× a cold boot and a command "
+           f"({ms(cold_command)}); {m['restore_command']['p50'] / load_command:.2f}× "
+           f"QEMU's ({ms(load_command)}) |",
            f"| fork to running, processes back | {ms(m['fork']['p50'])} | – | "
            f"{m['fork']['p50'] / cold:.2f}× a cold boot |",
+           f"| … and a first command run | {ms(m['fork_command']['p50'])} | – | "
+           f"{m['fork_command']['p50'] / cold_command:.2f}× a cold boot and a command |",
            f"| stored per small step (RAM + device state) | {mib(m['stored']['p50'])} | – | "
            f"QEMU's full-RAM save: {mib(m['qemu_saved_bytes'])}; without the 4 KiB warm-up: "
            f"{mib(m['unwarmed_stored']['p50'])} |",
