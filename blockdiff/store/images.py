@@ -579,8 +579,8 @@ def _restore_in_place(store: StoreState, snapshot_id: str, image: str,
                                  np.concatenate((between.offset + between.length, ends)))
             ends = np.minimum(ends, np.uint64(size))   # never past the end of the file
         else:
-            native.fsync(fd, image)
-            current = ExtentMap.of_file(fd, image, sync=False)  # fsynced above
+            native.write_out(fd, image)   # its extent map final; nothing to make durable
+            current = ExtentMap.of_file(fd, image, sync=False)  # written out above
             differ = changed_ranges(target_extents, current, BLOCK)
             starts, ends = differ.offset, differ.offset + differ.length
         # Within the ranges that differ, the snapshot's pieces are cloned
