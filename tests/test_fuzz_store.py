@@ -155,6 +155,38 @@ def test_map_decoder_raises_only_damage(data):
         pass
 
 
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(0, 300), seed=st.integers(0, 2**32 - 1), delta=st.booleans(),
+       chain=st.integers(0, 7))
+def test_map_files_read_as_numpy_reads_them(n, seed, delta, chain):
+    # decode_map parses the .npz itself; every array must come out as
+    # np.load gives it: the same values, dtype and shape.
+    import io
+
+    from blockdiff.engine.extents import ExtentMap, PieceTable
+    from blockdiff.store.maps import MapDelta, _arrays
+
+    rng = np.random.default_rng(seed)
+    u = np.sort(rng.choice(1 << 30, n, replace=False)).astype(np.uint64) * np.uint64(4096)
+    size = (1 << 42) + 777
+    smap = SnapshotMap(PieceTable(u, np.full(n, 4096, np.uint64),
+                                  rng.integers(0, 1 << 40, n).astype(np.int64), u * 3, size),
+                       ExtentMap.from_arrays(u, u * 7, np.full(n, 4096), rng.integers(0, 8, n),
+                                             size), int(rng.integers(0, 1 << 40)), chain)
+    extra = MapDelta("0123456789abcdef", u[: n // 2], u[: n // 2] + 4096) if delta else None
+    raw = encode_map(smap, extra)
+    ours, theirs = _arrays(raw), np.load(io.BytesIO(raw))
+    assert sorted(ours) == sorted(theirs.files)
+    for key in theirs.files:
+        assert ours[key].dtype == theirs[key].dtype and ours[key].shape == theirs[key].shape
+        assert np.array_equal(ours[key], theirs[key])
+    back, back_delta = decode_map(raw)
+    assert back.chain == chain and (back_delta is None) == (extra is None)
+    if extra is None:   # a delta holds only its own parts
+        assert np.array_equal(back.pieces.offset, smap.pieces.offset)
+        assert np.array_equal(back.extents.physical, smap.extents.physical)
+
+
 @pytest.mark.parametrize("path", sorted(CORPUS.glob("*.bdx")), ids=lambda p: p.name)
 def test_export_corpus(path, exported):
     root = exported[0]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import re
 import struct
 import zipfile
 import zlib
@@ -87,16 +88,56 @@ def encode_map(m: SnapshotMap, delta: MapDelta | None = None) -> bytes:
 def decode_map(raw: bytes) -> tuple[SnapshotMap, MapDelta | None]:
     """A map file's contents: for a delta, only its own parts, and the delta.
     Raises one of ``MAP_ERRORS`` if ``raw`` is not a map file."""
-    z = np.load(io.BytesIO(raw))   # never pickles: allow_pickle is off
+    try:
+        z = _arrays(raw)
+    except ValueError:   # not as np.savez writes maps now: numpy reads it, or refuses
+        loaded = np.load(io.BytesIO(raw))   # never pickles: allow_pickle is off
+        z = {key: loaded[key] for key in loaded.files}
     pieces = PieceTable(z["p_offset"], z["p_length"], z["p_layer"], z["p_pos"], int(z["size"]))
     extents = ExtentMap(z["e_logical"], z["e_physical"], z["e_length"], z["e_flags"],
                         int(z["e_size"]))
-    chain = int(z["chain"]) if "chain" in z.files else 0   # maps before deltas: whole
+    chain = int(z["chain"]) if "chain" in z else 0   # maps before deltas: whole
     smap = SnapshotMap(pieces, extents, int(z["own_layer"]), chain)
     delta = None
-    if "base" in z.files:
+    if "base" in z:
         delta = MapDelta(str(z["base"]), z["d_start"], z["d_end"])
     return smap, delta
+
+
+# The .npy header of a member, as np.save writes it for these arrays.
+_NPY_HEADER = re.compile(
+    rb"\{'descr': '([<|][a-zA-Z]\d{1,2})', 'fortran_order': False, 'shape': \((\d*),?\), \}")
+_MAP_NUMBERS = frozenset(("<u8", "<i8", "<u4", "<i4", "|u1"))
+
+
+def _arrays(raw: bytes) -> dict[str, np.ndarray]:
+    """The arrays of a map file (an uncompressed .npz of one-dimensional or
+    scalar arrays of the dtypes maps use), parsed directly: ``np.load``
+    evaluates each member's header as a Python literal, which cost most of a
+    map's decoding. Anything else raises ValueError (or what zipfile raises)."""
+    out = {}
+    with zipfile.ZipFile(io.BytesIO(raw)) as z:
+        for info in z.infolist():
+            if not info.filename.endswith(".npy") or info.compress_type != zipfile.ZIP_STORED:
+                raise ValueError(f"not a map member: {info.filename!r}")
+            member = z.read(info)
+            if member[:8] != b"\x93NUMPY\x01\x00" or len(member) < 10:
+                raise ValueError("not a .npy member")
+            (header_len,) = struct.unpack_from("<H", member, 8)
+            header = member[10:10 + header_len].rstrip(b" \n")
+            found = _NPY_HEADER.fullmatch(header)
+            descr = found[1].decode() if found is not None else ""
+            if not (descr in _MAP_NUMBERS or descr.startswith("<U")):   # a string: the base
+                raise ValueError(f"unexpected .npy header in {info.filename!r}")
+            dtype = np.dtype(descr)
+            count = int(found[2]) if found[2] else 1
+            data = memoryview(member)[10 + header_len:]
+            if len(data) != count * dtype.itemsize:
+                raise ValueError(f"{info.filename!r} holds {len(data)} bytes, not "
+                                 f"{count * dtype.itemsize}")
+            array = np.frombuffer(bytearray(data), dtype)
+            out[info.filename[:-4]] = array if found[2] else array.reshape(())
+    return out
 
 
 def pack_pieces(pieces: PieceTable) -> bytes:
