@@ -285,7 +285,7 @@ def run_memory(args, store: Store, base: Path, image, pool_blocks: int, rnd: ran
     # The same small steps on a VM whose page cache is not warmed in 4 KiB
     # pages: QEMU's MADV_HUGEPAGE makes them 2 MiB folios.
     real_warm = machine_module.warm_page_cache
-    machine_module.warm_page_cache = lambda fd, length: None
+    machine_module.warm_page_cache = lambda *args, **kwargs: None
     try:
         cold_cache = Sandbox.create(store, "unwarmed", image=base, kernel=image.directory)
         cold_cache.start()

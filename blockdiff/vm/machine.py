@@ -121,6 +121,7 @@ class Machine:
         self.memory_image = vm.directory / MEMORY_IMAGE
         self._qmp: QMP | None = None   # the connection of the outermost open qmp() block
         self.last_launch: dict[str, float] = {}   # seconds per phase of the last launch
+        self._warming: threading.Event | None = None   # set to stop the warm-up
 
     def __enter__(self) -> "Machine":
         return self
@@ -225,9 +226,11 @@ class Machine:
         device state is loaded, as in a migration over shared storage.
         Should it raise, QEMU is killed.
 
-        ``hot`` (with ``incoming``): ``(offsets, lengths)`` of the memory
-        image that the guest is likely to write soon, whose page cache is
-        warmed before the guest runs; the rest is warmed while it runs."""
+        ``hot`` (with ``incoming``, without ``meanwhile``): ``(offsets,
+        lengths)`` of the memory image that the guest is likely to write
+        soon, whose page cache is warmed before the guest runs; the rest of
+        that new file is warmed while it runs. Restored in place, the image
+        is warmed whole before."""
         name = self.vm.name
         if self.running:
             raise VMError(f"VM {name} is already running")
@@ -253,16 +256,22 @@ class Machine:
             finally:
                 os.close(fd)
         (self.directory / CONSOLE_LOG).unlink(missing_ok=True)
+        warming = None
         if meanwhile is None:
             self._launch(accel, memory=memory, incoming=incoming).start()
         else:
             mark = self._start_meanwhile(self._launch(accel, memory=True, incoming=True),
                                          meanwhile)
+            # Restored in place, the image kept its page cache but where the
+            # restore rewrote: warmed whole (quickly) while the device state
+            # loads, before the guest runs.
+            warming = _warm_in_background(self._sized_memory_image(fresh=False),
+                                          self.ram_bytes)
         (self.directory / ACCEL_FILE).write_text(accel + "\n")
         self.last_launch = {"qemu": time.monotonic() - began}
         if incoming:
             steps.begin("resuming from the checkpoint")
-            self._resume_incoming(timeout, mark, hot)
+            self._resume_incoming(timeout, mark, hot, warming)
             return steps.end()
         deadline = time.monotonic() + timeout
         steps.begin(f"booting: waiting for the guest daemon ({accel})")
@@ -321,7 +330,8 @@ class Machine:
             raise
         return fd
 
-    def _resume_incoming(self, timeout: float, mark: str | None, hot) -> None:
+    def _resume_incoming(self, timeout: float, mark: str | None, hot,
+                         warming: threading.Thread | None) -> None:
         """QEMU started with ``-incoming defer``: load the device state from
         the memory image, start dirty tracking, run the guest and have its
         daemon fix the clock and the RNG and let its processes go."""
@@ -345,32 +355,43 @@ class Machine:
                 with contextlib.suppress(VMError, OSError):
                     self.tracking.write(Generation(self.pid, start_dirty_tracking(q, dir_fd),
                                                    mark))
-                if hot is not None:
+                tracked = time.monotonic()
+                if warming is not None:
+                    warming.join()
+                elif hot is not None:
                     warm_fd = os.open(self.memory_image, os.O_RDONLY | os.O_CLOEXEC)
                     try:
                         with contextlib.suppress(OSError):   # only slower checkpoints
                             warm_page_cache_ranges(warm_fd, *hot)
                     finally:
                         os.close(warm_fd)
-                tracked = time.monotonic()
+                warmed = time.monotonic()
                 q.command("cont")
                 running = time.monotonic()
                 link.resume(timeout=timeout)
-            # The rest is warmed while the guest runs, not before: on a
-            # fork's new file the warm-up reads the whole image, which would
-            # slow QEMU's start on these cores more than it saves. What the
-            # guest faults in first is cached in large folios, which are
-            # written back whole if dirtied, but stored no larger (only the
-            # pages whose bytes changed are).
-            _warm_in_background(self._sized_memory_image(fresh=False), self.ram_bytes)
+            if warming is None:
+                # A new file (a fork's): the rest is warmed while the guest
+                # runs, not before, since reading all of it would slow QEMU's
+                # start on these cores more than it saves. What the guest
+                # faults in first is cached in large folios, which are
+                # written back whole if dirtied, but stored no larger (only
+                # the pages whose bytes changed are).
+                # Stopped when QEMU is: reading a dead VM's image would only
+                # slow the next one down.
+                self._warming = threading.Event()
+                _warm_in_background(self._sized_memory_image(fresh=False), self.ram_bytes,
+                                    self._warming)
             # A daemon that resumed knows memory checkpoints.
             (self.directory / GUESTD_VERSION).write_text(
                 f"blockdiff-guestd {MEMORY_CHECKPOINT_VERSION}\n")
         except (VMError, GuestError) as e:
+            if warming is not None:
+                warming.join()
             self.kill()
             raise VMError(f"VM {name} did not resume from its checkpoint: {e}") from None
         self.last_launch |= {"incoming": loaded - began, "tracking": tracked - loaded,
-                             "cont": running - tracked, "guest": time.monotonic() - running}
+                             "warm": warmed - tracked, "cont": running - warmed,
+                             "guest": time.monotonic() - running}
 
     def shutdown(self, timeout: float = 20.0) -> None:
         """Power the guest off cleanly (its disk unmounted); QEMU is killed if
@@ -396,6 +417,9 @@ class Machine:
         self._cleanup()
 
     def _cleanup(self) -> None:
+        if self._warming is not None:
+            self._warming.set()
+            self._warming = None
         for f in RUNTIME_FILES:
             (self.directory / f).unlink(missing_ok=True)
 
@@ -612,33 +636,39 @@ def _wait_exit(pid: int, timeout: float) -> bool:
 # ------------------------------------------------------------------ memory
 
 
-def _warm_in_background(fd: int, length: int) -> None:
+def _warm_in_background(fd: int, length: int,
+                        stop: threading.Event | None = None) -> threading.Thread:
     """:func:`warm_page_cache` of an open descriptor in a thread of its own
     (the kernel reads ahead without the GIL), which closes it once done."""
 
     def run() -> None:
         try:
             with contextlib.suppress(OSError):   # only slower checkpoints: never fatal
-                warm_page_cache(fd, length)
+                warm_page_cache(fd, length, stop)
         finally:
             os.close(fd)
 
-    threading.Thread(target=run, name="warm-memory-image", daemon=True).start()
+    thread = threading.Thread(target=run, name="warm-memory-image", daemon=True)
+    thread.start()
+    return thread
 
 
-def warm_page_cache(fd: int, length: int) -> None:
+def warm_page_cache(fd: int, length: int, stop: threading.Event | None = None) -> None:
     """Have the kernel read the first ``length`` bytes of a file ahead into the
     page cache. Readahead asked for this way fills it with 4 KiB folios,
     which the large folios a ``MADV_HUGEPAGE`` mapping would fault in then
-    cannot replace; pages already cached are skipped."""
-    for offset in range(0, length, WARM_STEP):
-        os.posix_fadvise(fd, offset, min(WARM_STEP, length - offset), os.POSIX_FADV_WILLNEED)
+    cannot replace; pages already cached are skipped. Ends early once
+    ``stop`` is set."""
+    warm_page_cache_ranges(fd, [0], [length], stop)
 
 
-def warm_page_cache_ranges(fd: int, offsets, lengths) -> None:
+def warm_page_cache_ranges(fd: int, offsets, lengths,
+                           stop: threading.Event | None = None) -> None:
     """:func:`warm_page_cache` of some ranges of a file only."""
     for offset, length in zip(np.asarray(offsets).tolist(), np.asarray(lengths).tolist()):
         for at in range(offset, offset + length, WARM_STEP):
+            if stop is not None and stop.is_set():
+                return
             os.posix_fadvise(fd, at, min(WARM_STEP, offset + length - at),
                              os.POSIX_FADV_WILLNEED)
 
