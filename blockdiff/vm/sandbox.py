@@ -565,11 +565,11 @@ class Sandbox:
             return
         in_place = (self._holds_size(self.disk, snap.size)
                     and self._holds_size(self.machine.memory_image, memory_snap.size))
-        hot = self._hot_memory(memory_snap.id)
         if in_place:
-            self.machine.launch(timeout, incoming=True, meanwhile=restore, hot=hot)
+            self.machine.launch(timeout, incoming=True, meanwhile=restore)
         else:
-            self.machine.launch(timeout, incoming=True, mark=restore(), hot=hot)
+            self.machine.launch(timeout, incoming=True, mark=restore(),
+                                hot=self._hot_memory(memory_snap.id))
 
     def _hot_memory(self, memory_snapshot_id: str):
         """The parts of the memory image that the last few checkpoints up to
