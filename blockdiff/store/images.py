@@ -344,10 +344,10 @@ class Capture:
                 src = pos[first][is_data]
                 # Whole blocks, so that even the image's short last page is
                 # cloned (a partial block clones only at both files' ends).
-                length = np.minimum((kept.length[is_data] + b - np.uint64(1)) // b * b,
-                                    np.uint64(os.fstat(old.fileno()).st_size) - src)
+                span = np.minimum((kept.length[is_data] + b - np.uint64(1)) // b * b,
+                                  np.uint64(os.fstat(old.fileno()).st_size) - src)
                 _, cloned = native.transfer_ranges(old.fileno(), out, src, data_pos[is_data],
-                                                   length, fresh)
+                                                   span, fresh)
         except BaseException:
             os.close(out)
             fresh.unlink()

@@ -375,9 +375,8 @@ class Machine:
                 # start on these cores more than it saves. What the guest
                 # faults in first is cached in large folios, which are
                 # written back whole if dirtied, but stored no larger (only
-                # the pages whose bytes changed are).
-                # Stopped when QEMU is: reading a dead VM's image would only
-                # slow the next one down.
+                # the pages whose bytes changed are). The warm-up stops when
+                # QEMU does: reading a dead VM's image slows the next one.
                 self._warming = threading.Event()
                 _warm_in_background(self._sized_memory_image(fresh=False), self.ram_bytes,
                                     self._warming)
