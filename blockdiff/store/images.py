@@ -151,6 +151,7 @@ class Capture:
         self.rounds: list[tuple[RangeSet, np.ndarray]] = []
         self.record = None   # the chunk checksums, once read
         self.only_changed_pages = False
+        self.compared = 0    # bytes compared with the parent's by only_changed_pages
         self.snap: Snapshot | None = None
         # Called with the snapshot once committed (a shared store uploads it).
         self.on_commit = None
@@ -323,6 +324,7 @@ class Capture:
             part = at[first:first + COMPARED_PAGES]
             same[part] = _same_as_parent(self.store, self.parent_map, self.layer_tmp,
                                          page[part], pos[part], kind[part] == ZERO)
+        self.compared = len(at) * BLOCK
         if not same.any():
             return
         keep = ~same
@@ -392,6 +394,16 @@ def _with_short_tail(changes: RangeSet, size: int) -> RangeSet:
                     np.append(kind, np.uint8(DATA)))
 
 
+def _by_page(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For ranges of ``lengths`` bytes, each starting at a page: the range
+    each of their pages is in, and the page's number within it."""
+    counts = ((lengths + np.uint64(BLOCK - 1)) // np.uint64(BLOCK)).astype(np.int64)
+    which = np.repeat(np.arange(len(lengths)), counts)
+    within = np.arange(int(counts.sum()), dtype=np.uint64) - np.repeat(
+        (np.cumsum(counts) - counts).astype(np.uint64), counts)
+    return which, within
+
+
 def _final_pages(rounds) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``(page number, kind, position in the layer, bytes)`` of every page
     the rounds of a capture change, sorted, each as its last round leaves it
@@ -399,15 +411,12 @@ def _final_pages(rounds) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray
     b = np.uint64(BLOCK)
     pages, kinds, positions, lengths, order = [], [], [], [], []
     for r, (changes, data_pos) in enumerate(rounds):
-        counts = ((changes.length + b - np.uint64(1)) // b).astype(np.int64)  # from a page on
-        total = int(counts.sum())
-        within = np.arange(total, dtype=np.uint64) - np.repeat(
-            (np.cumsum(counts) - counts).astype(np.uint64), counts)
-        pages.append(np.repeat(changes.offset // b, counts) + within)
-        kinds.append(np.repeat(changes.kind, counts))
-        positions.append(np.repeat(data_pos.astype(np.uint64), counts) + within * b)
-        lengths.append(np.minimum(np.repeat(changes.length, counts) - within * b, b))
-        order.append(np.full(total, r))
+        which, within = _by_page(changes.length)
+        pages.append(changes.offset[which] // b + within)
+        kinds.append(changes.kind[which])
+        positions.append(data_pos.astype(np.uint64)[which] + within * b)
+        lengths.append(np.minimum(changes.length[which] - within * b, b))
+        order.append(np.full(len(which), r))
     page, kind, pos, length = (np.concatenate(x) for x in (pages, kinds, positions, lengths))
     by = np.lexsort((np.concatenate(order), page))
     page, kind, pos, length = page[by], kind[by], pos[by], length[by]
@@ -416,48 +425,48 @@ def _final_pages(rounds) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray
     return page[last], kind[last], pos[last], length[last]
 
 
+def _read_pages(path: Path, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 4 KiB pages of a file at ``positions``, one native call, and
+    which of them the file holds whole (the rest read short, as zeros)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        raw = native.read_blocks(f.fileno(), positions, BLOCK, path)
+    return (np.frombuffer(raw, np.uint8).reshape(-1, BLOCK),
+            positions + np.uint64(BLOCK) <= np.uint64(size))
+
+
 def _same_as_parent(store: StoreState, parent_map: SnapshotMap, layer_path: Path,
                     page: np.ndarray, pos: np.ndarray, zero: np.ndarray) -> np.ndarray:
     """Which of the pages (sorted numbers; zeros where ``zero``, else their
     data at ``pos`` in the layer at ``layer_path``) hold the parent's bytes,
-    read from its layers. A page whose parent layer is not on this host
-    counts as different."""
+    read from its layers. A page the parent's layers do not hold whole here
+    (a shared store's layer held elsewhere, a short layer, a piece that is
+    not whole pages) counts as different."""
     b = np.uint64(BLOCK)
     n = len(page)
     new = np.zeros((n, BLOCK), np.uint8)
     old = np.zeros((n, BLOCK), np.uint8)
     known = np.ones(n, bool)
-    # Runs of pages that follow each other in the image (and, for the new
-    # bytes, in the layer): one read each.
-    image_run = np.flatnonzero(np.r_[True, page[1:] != page[:-1] + 1])
-    layer_run = np.flatnonzero(np.r_[True, (page[1:] != page[:-1] + 1)
-                                     | (pos[1:] != pos[:-1] + b) | zero[1:] | zero[:-1]])
-    flat_new, flat_old = new.reshape(-1), old.reshape(-1)
-    with open(layer_path, "rb") as f:
-        for first, end in zip(layer_run, np.append(layer_run[1:], n)):
-            if zero[first]:
-                continue
-            got = os.preadv(f.fileno(), [memoryview(flat_new[first * BLOCK:end * BLOCK])],
-                            int(pos[first]))
-            known[first + got // BLOCK:end] = False
-    ends = np.append(image_run[1:], n)
-    pieces, _ = pieces_within(parent_map.pieces, page[image_run] * b, (page[ends - 1] + 1) * b)
-    rows = np.searchsorted(page, pieces.offset // b)
-    for layer in np.unique(pieces.layer):
-        mine = np.flatnonzero(pieces.layer == layer)
+    data = np.flatnonzero(~zero)
+    new[data], known[data] = _read_pages(layer_path, pos[data])
+    # The parent's pieces over runs of consecutive pages, page by page.
+    run = np.flatnonzero(np.r_[True, page[1:] != page[:-1] + 1])
+    ends = np.append(run[1:], n)
+    pieces, _ = pieces_within(parent_map.pieces, page[run] * b, (page[ends - 1] + 1) * b)
+    which, within = _by_page(pieces.length)
+    row = np.searchsorted(page, pieces.offset[which] // b) + within.astype(np.int64)
+    whole = ((pieces.offset % b == 0) & (pieces.length % b == 0))[which]
+    known[row[~whole]] = False
+    row, which, within = row[whole], which[whole], within[whole]
+    layer = pieces.layer[which]
+    at = pieces.pos[which] + within * b
+    for each in np.unique(layer):
+        mine = layer == each
         try:
-            f = open(store.layer_path(int(layer)), "rb")
+            old[row[mine]], held = _read_pages(store.layer_path(int(each)), at[mine])
         except FileNotFoundError:   # a shared store's layer held elsewhere
-            for i in mine:
-                known[rows[i]:rows[i] + -(-int(pieces.length[i]) // BLOCK)] = False
-            continue
-        with f:
-            for i in mine:
-                at, length = int(rows[i]) * BLOCK, int(pieces.length[i])
-                got = os.preadv(f.fileno(), [memoryview(flat_old[at:at + length])],
-                                int(pieces.pos[i]))
-                if got < length:   # a short layer: never taken as the same
-                    known[(at + got) // BLOCK:-(-(at + length) // BLOCK)] = False
+            held = np.zeros(int(mine.sum()), bool)
+        known[row[mine][~held]] = False
     return known & (new == old).all(axis=1)
 
 
