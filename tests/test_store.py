@@ -717,15 +717,21 @@ def _scribble(image, rnd, count, *, mapped):
             m.close()
 
 
+def _committed_ram_image(store, xfs, seed):
+    """A random image committed as the base of a capture test: ``(image,
+    its random source)``."""
+    image = xfs / "ram.img"
+    make_base_image(image, SIZE, seed)
+    store.commit(image, message="base")
+    return image, random.Random(seed)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_a_capture_is_the_image_as_it_was_when_last_taken(store, xfs, seed):
     # Store.capturing: the changes are cloned on entering and topped up by
     # take_more; the image may change after that, and the snapshot is still
     # what it held at the last take, while the next commit sees the rest.
-    rnd = random.Random(seed)
-    image = xfs / "ram.img"
-    make_base_image(image, SIZE, seed)
-    snap = store.commit(image, message="base")
+    image, rnd = _committed_ram_image(store, xfs, seed)
     for step in range(4):
         _scribble(image, rnd, 20, mapped=step % 2 == 0)
         with store.capturing(image) as capture:
@@ -754,19 +760,21 @@ def test_a_capture_is_the_image_as_it_was_when_last_taken(store, xfs, seed):
         capture.finish()
 
 
-def test_a_removal_of_the_parent_beside_an_open_capture(store, xfs):
+@pytest.mark.parametrize("only_changed_pages", [False, True])
+def test_a_removal_of_the_parent_beside_an_open_capture(store, xfs, only_changed_pages):
     # Another process removes a capture's parent (its only snapshot so far)
     # while the capture is open, at various moments. Either the capture
     # finishes first, and its snapshot restores byte for byte once the
     # parent is gone, or the removal comes first and finish refuses as a
     # commit would, leaving nothing staged and the image committable again.
+    # Comparing pages with the parent's reads its layers while it goes.
     rnd = random.Random(7)
     image = xfs / "ram.img"
     make_base_image(image, SIZE, 7)
     for round_, wait in enumerate([0.0, 0.3, 0.8, 1.5, 3.0]):
         parent = store.commit(image, message=f"parent {round_}")
         _scribble(image, rnd, 10, mapped=True)
-        with store.capturing(image) as capture:
+        with store.capturing(image, only_changed_pages=only_changed_pages) as capture:
             held = digest(image)
             remover = subprocess.Popen(
                 [sys.executable, "-c", "import sys\n"
@@ -811,10 +819,7 @@ def test_a_capture_of_changed_pages_stores_only_the_pages_whose_bytes_differ(sto
     # not stored again; a page changed before the top-up and changed back in
     # it is the parent's; the short last page is kept as it is. Every
     # snapshot restores byte for byte, and the next commit sees what follows.
-    rnd = random.Random(seed)
-    image = xfs / "ram.img"
-    make_base_image(image, SIZE, seed)
-    snap = store.commit(image, message="base")
+    image, rnd = _committed_ram_image(store, xfs, seed)
     pages = SIZE // BLOCK
     for step in range(4):
         before = image.read_bytes()
@@ -841,6 +846,8 @@ def test_a_capture_of_changed_pages_stores_only_the_pages_whose_bytes_differ(sto
         assert differing == changed - reverted
         tail = SIZE - pages * BLOCK
         assert len(differing) * BLOCK <= snap.changed_bytes <= len(differing) * BLOCK + tail
+        # Every page written was compared (whole pages: not the short one).
+        assert capture.compared >= len(rewritten | changed) * BLOCK
         layer = store.layer_path(layer_number(snap.id))
         assert os.stat(layer).st_blocks * 512 <= len(differing) * BLOCK + BLOCK
         check = xfs / f"check{step}.img"
@@ -863,10 +870,7 @@ def test_a_topped_up_capture_keeps_the_short_last_block_shared(store, xfs):
     # the rest of that block first), and a write of the image there would
     # then go in place, which no extent map shows. The next commits must
     # still see every write to it.
-    image = xfs / "ram.img"
-    make_base_image(image, SIZE, 3)
-    store.commit(image, message="base")
-    rnd = random.Random(3)
+    image, rnd = _committed_ram_image(store, xfs, 3)
     for step in range(3):
         with open(image, "r+b") as f:
             os.pwrite(f.fileno(), rnd.randbytes(50), SIZE - 100)
