@@ -241,7 +241,7 @@ def run_memory(args, store: Store, base: Path, image, pool_blocks: int, rnd: ran
         cold_command.append(time.monotonic() - start)
     pid = int(box.exec(COUNTER).stdout)
     assert box.exec("mkdir -p /mnt/ram && mount -t tmpfs -o size=160m tmpfs /mnt/ram").status == 0
-    pause, total, stored, ids = [], [], [], []
+    pause, total, stored, compared, ids = [], [], [], [], []
     for k in range(args.memory_steps):
         assert box.exec(step_command(k, pool_blocks, rnd)).status == 0
         ids.append(box.checkpoint(f"whole step {k}"))
@@ -249,6 +249,7 @@ def run_memory(args, store: Store, base: Path, image, pool_blocks: int, rnd: ran
         pause.append(box.last_checkpoint.paused)
         total.append(box.last_checkpoint.total)
         stored.append(box.last_checkpoint.memory_bytes)
+        compared.append(box.last_checkpoint.memory_compared)
     big_pause, big_stored = [], []
     for k in range(BIG_STEPS):
         assert box.exec(f"head -c {DIRTY_MIB * MiB} /dev/urandom > /mnt/ram/blob").status == 0
@@ -271,11 +272,12 @@ def run_memory(args, store: Store, base: Path, image, pool_blocks: int, rnd: ran
         phases.append(box.last_restore_phases | box.machine.last_launch)
         assert timing.memory and box.exec(f"kill -0 {pid}").status == 0
         assert box.exec("cat /data/last").stdout == f"{k}\n".encode()
-    fork, fork_command = [], []
+    fork, fork_command, fork_phases = [], [], []
     for i, k in enumerate(rnd.sample(range(args.memory_steps), MEMORY_FORKS)):
         start = time.monotonic()
         other = box.fork(ids[k], f"whole-fork{i}")
         fork.append(time.monotonic() - start)
+        fork_phases.append(other.last_restore_phases | other.machine.last_launch)
         until_running(other)
         fork_command.append(time.monotonic() - start)
         assert other.exec(f"kill -0 {pid}").status == 0
@@ -302,10 +304,12 @@ def run_memory(args, store: Store, base: Path, image, pool_blocks: int, rnd: ran
             "cold_boot": stats(cold), "cold_boot_command": stats(cold_command),
             "paused": stats(pause) | {"samples": pause},
             "total": stats(total), "stored": stats(stored[1:]) | {"first": stored[0]},
+            "compared": stats(compared[1:]),
             "dirty_mib": DIRTY_MIB, "big_paused": stats(big_pause),
             "big_stored": stats(big_stored), "disk_only_paused": stats(disk_only),
             "restore": stats(restore), "restore_command": stats(restore_command),
             "restore_phases": phases, "fork": stats(fork), "fork_command": stats(fork_command),
+            "fork_phases": fork_phases,
             "qemu_save_paused": stats(qemu_save), "qemu_restore": stats(qemu_restore),
             "qemu_restore_command": stats(qemu_command),
             "qemu_saved_bytes": saved_bytes, "unwarmed_stored": stats(unwarmed[1:])}
@@ -466,7 +470,8 @@ def memory_table(r: dict) -> str:
            f"| … and a first command run | {ms(m['fork_command']['p50'])} | – | "
            f"{m['fork_command']['p50'] / cold_command:.2f}× a cold boot and a command |",
            f"| stored per small step (RAM + device state) | {mib(m['stored']['p50'])} | – | "
-           f"QEMU's full-RAM save: {mib(m['qemu_saved_bytes'])}; without the 4 KiB warm-up: "
+           f"of {mib(m['compared']['p50'])} whose extents moved; QEMU's full-RAM save: "
+           f"{mib(m['qemu_saved_bytes'])}; without the 4 KiB warm-up: "
            f"{mib(m['unwarmed_stored']['p50'])} |",
            f"| stored per {m['dirty_mib']} MiB step | {mib(m['big_stored']['p50'])} | – | |",
            f"\n{m['memory_mb']} MiB of guest RAM, {m['steps']} small steps with a process "

@@ -79,6 +79,7 @@ class CheckpointTiming:
     tracked: bool = False   # QEMU's dirty bitmap said what to map
     memory: bool = False    # RAM and device state are in the checkpoint too
     memory_bytes: int = 0   # bytes of the memory image the memory snapshot stored
+    memory_compared: int = 0   # bytes it compared with its parent's to keep only those
 
 
 @dataclass(frozen=True)
@@ -375,7 +376,7 @@ class Sandbox:
                 frozen = time.monotonic()
                 snap = memory_snap = None
                 try:
-                    snap, memory_snap, pause = self._commit_paused(
+                    snap, memory_snap, pause, compared = self._commit_paused(
                         memory, message, meta, ttl, skip_unchanged and not memory)
                 finally:
                     if meta["vm.flush"] == FSFREEZE:
@@ -385,14 +386,15 @@ class Sandbox:
             self.last_checkpoint = CheckpointTiming(
                 frozen - start, pause.seconds, time.monotonic() - start,
                 pause.written is not None, memory,
-                memory_snap.changed_bytes if memory_snap else 0)
+                memory_snap.changed_bytes if memory_snap else 0, compared)
             return snap.id
 
     def _commit_paused(self, memory: bool, message: str, meta: dict, ttl: float | None,
                        skip_unchanged: bool, *, disk_in_pause: bool | None = None):
         """The commit of a checkpoint: ``(disk snapshot, memory snapshot or
-        None, pause)``. The VM is paused only while the store captures what
-        changed (see ``Store.capturing``), cloning it into staged layers;
+        None, pause, bytes the memory capture compared with its parent's)``.
+        The VM is paused only while the store captures what changed (see
+        ``Store.capturing``), cloning it into staged layers;
         the captures are committed once it runs again.
 
         A whole-VM checkpoint captures the memory image (RAM, then the device
@@ -439,7 +441,7 @@ class Sandbox:
         # The bitmap that started in the pause started with the disk being
         # this snapshot.
         self.machine.trust_tracking(pause, self.store.lineage_mark(self.disk))
-        return snap, memory_snap, pause
+        return snap, memory_snap, pause, memory_capture.compared if memory_capture else 0
 
     def _memory_meta(self, pause) -> dict:
         """The metadata of a memory snapshot: what it is, the machine it can
