@@ -41,6 +41,9 @@ def test_end_to_end_tiny_run(tmp_path, capsys, scratch_xfs_possible):
     assert memory["big_stored"]["p50"] > 90 * vm_bench.MiB > memory["stored"]["p50"]
     # Only pages whose extents moved are compared, and only those that differ kept.
     assert memory["compared"]["p50"] >= memory["stored"]["p50"] > 0
+    # The page cache of what a step wrote points into the disk snapshot's layer.
+    assert memory["borrowed"]["p50"] > 0
+    assert memory["compared"]["p50"] >= memory["stored"]["p50"] + memory["borrowed"]["p50"]
     assert len(memory["fork_phases"]) == vm_bench.MEMORY_FORKS
     assert memory["qemu_saved_bytes"] > 100 * vm_bench.MiB
     assert not list((tmp_path / "work" / "scratch").iterdir())  # nothing left mounted

@@ -278,6 +278,21 @@ def read_blocks(fd: int, offsets: np.ndarray, block: int, path: str | os.PathLik
     return bytes(out)
 
 
+def dedupe_ranges(src_fd: int, dst_fd: int, src_off: np.ndarray, dst_off: np.ndarray,
+                  length: np.ndarray, path: str | os.PathLike) -> np.ndarray:
+    """Make each range of ``dst_fd`` share the blocks of ``src_fd``'s range
+    where, under the kernel's locks, their bytes are equal (FIDEDUPERANGE;
+    block-aligned ranges). Returns, per range, whether it now shares them."""
+    n = len(length)
+    src_off = np.ascontiguousarray(src_off, _U64)
+    dst_off = np.ascontiguousarray(dst_off, _U64)
+    length = np.ascontiguousarray(length, _U64)
+    same = np.zeros(n, np.uint8)
+    _check(lib.bd_dedupe_ranges(src_fd, dst_fd, _u64(src_off), _u64(dst_off), _u64(length), n,
+                                ffi.from_buffer("uint8_t[]", same)), path)
+    return same.astype(bool)
+
+
 def fsync(fd: int, path: str | os.PathLike) -> None:
     """fsync, with the path in the error."""
     _check(lib.bd_fsync(fd), path)

@@ -353,6 +353,44 @@ int bd_clone_range(int src_fd, uint64_t src_off, uint64_t len, int dst_fd,
     return ioctl(dst_fd, FICLONERANGE, &arg) < 0 ? -errno : 0;
 }
 
+int bd_dedupe_ranges(int src_fd, int dst_fd, const uint64_t *src_off,
+                     const uint64_t *dst_off, const uint64_t *len, size_t n,
+                     uint8_t *same)
+{
+    struct {
+        struct file_dedupe_range range;
+        struct file_dedupe_range_info info;
+    } arg;
+    for (size_t i = 0; i < n; i++) {
+        same[i] = 0;
+        uint64_t done = 0;
+        /* The kernel may dedupe less than asked (it caps one call's length):
+         * go on from where it stopped. */
+        while (done < len[i]) {
+            memset(&arg, 0, sizeof arg);
+            arg.range.src_offset = src_off[i] + done;
+            arg.range.src_length = len[i] - done;
+            arg.range.dest_count = 1;
+            arg.info.dest_fd = dst_fd;
+            arg.info.dest_offset = dst_off[i] + done;
+            if (ioctl(src_fd, FIDEDUPERANGE, &arg) < 0) {
+                int e = errno;
+                /* Not for these files (no reflink, another filesystem, not
+                 * allowed): nothing shared, nothing wrong. */
+                if (e == EOPNOTSUPP || e == EINVAL || e == EXDEV || e == EPERM ||
+                    e == ETXTBSY || e == EISDIR)
+                    break;
+                return -e;
+            }
+            if (arg.info.status != FILE_DEDUPE_RANGE_SAME || arg.info.bytes_deduped == 0)
+                break;
+            done += arg.info.bytes_deduped;
+        }
+        same[i] = done >= len[i];
+    }
+    return 0;
+}
+
 int bd_copy_range(int src_fd, uint64_t src_off, int dst_fd, uint64_t dst_off,
                   uint64_t len)
 {

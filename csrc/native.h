@@ -77,6 +77,15 @@ int bd_compare_blocks(int target_fd, uint64_t target_size, int base_fd,
 int bd_read_blocks(int fd, const uint64_t *offsets, size_t n, uint32_t block,
                    uint8_t *out);
 
+/* Share blocks between files whose bytes are equal (FIDEDUPERANGE): for
+ * each range, the kernel compares src's bytes with dst's under its locks and,
+ * only if they are equal, makes dst's blocks src's. same[i] is 1 where range
+ * i was deduplicated whole, 0 where the bytes differed or the kernel would
+ * not (a dst written meanwhile simply differs). Other errors end the call. */
+int bd_dedupe_ranges(int src_fd, int dst_fd, const uint64_t *src_off,
+                     const uint64_t *dst_off, const uint64_t *len, size_t n,
+                     uint8_t *same);
+
 int bd_fsync(int fd);
 /* Write a file's dirty pages out and wait for them (sync_file_range over the
  * whole file): its extents are then final, without fsync's log force. */

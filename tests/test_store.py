@@ -864,6 +864,83 @@ def test_a_capture_of_changed_pages_stores_only_the_pages_whose_bytes_differ(sto
     assert list((store.root / "staging").iterdir()) == []
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_capture_of_changed_pages_borrows_the_pages_another_snapshot_stored(store, xfs, seed):
+    # A VM's RAM holds in its page cache blocks its disk snapshot stored:
+    # such pages point into the disk snapshot's layer instead of being
+    # stored again, and the RAM image shares those blocks from then on, so
+    # that a later write to one is seen as any other. One of them is written
+    # after the top-up, before the kernel shares it: the snapshot still holds
+    # what was captured, and the next commit sees the write. Every snapshot
+    # restores byte for byte, also once the disk snapshots are removed.
+    image, rnd = _committed_ram_image(store, xfs, seed)
+    disk = xfs / "disk.img"
+    make_base_image(disk, SIZE, seed + 100)
+    store.commit(disk, message="disk base")
+    pages = SIZE // BLOCK
+    snaps, disk_snaps, wanted = [], [], []
+    for step in range(4):
+        blocks = [rnd.randbytes(BLOCK) for _ in range(10)]
+        with open(disk, "r+b") as f:
+            for k, page in enumerate(rnd.sample(range(pages), len(blocks))):
+                os.pwrite(f.fileno(), blocks[k], page * BLOCK)
+        disk_snaps.append(store.commit(disk, message=f"disk {step}"))
+        before = image.read_bytes()
+        cached = rnd.sample(range(pages), len(blocks))
+        own = set(rnd.sample(range(pages), 8)) - set(cached)
+        with open(image, "r+b") as f:
+            for k, page in enumerate(cached):
+                os.pwrite(f.fileno(), blocks[k], page * BLOCK)
+            for page in sorted(own):
+                os.pwrite(f.fileno(), rnd.randbytes(BLOCK), page * BLOCK)
+        with store.capturing(image, only_changed_pages=True) as capture:
+            capture.take_more()
+            held = image.read_bytes()
+            with open(image, "r+b") as f:   # written before the kernel shares it
+                os.pwrite(f.fileno(), rnd.randbytes(BLOCK), cached[0] * BLOCK)
+            snap = capture.finish(message=f"step {step}", borrow_from=disk_snaps[-1])
+        assert capture.borrowed == len(cached) * BLOCK
+        differing = own | set(cached)
+        tail = SIZE - pages * BLOCK   # the short last page, kept as it is
+        assert len(differing) * BLOCK <= snap.changed_bytes <= len(differing) * BLOCK + tail
+        layer = store.layer_path(layer_number(snap.id))
+        assert os.stat(layer).st_blocks * 512 <= len(own) * BLOCK + BLOCK
+        assert layer_number(disk_snaps[-1].id) in set(store.load_map(snap).pieces.layer.tolist())
+        check = xfs / f"check{step}.img"
+        store.restore(snap.id, check)
+        assert check.read_bytes() == held
+        _scribble(image, rnd, 2, mapped=True)
+        with open(image, "r+b") as f:   # a page the disk's block now backs
+            os.pwrite(f.fileno(), rnd.randbytes(100), cached[1] * BLOCK + 50)
+        after = image.read_bytes()
+        following = store.commit(image, message=f"after {step}")
+        store.restore(following.id, check)
+        assert check.read_bytes() == after
+        # The pages it shares with the disk's layer and did not write are
+        # not changes to the next commit.
+        changes = store.differences(snap, following)
+        untouched = {p for p in cached[2:] if held[p * BLOCK:(p + 1) * BLOCK]
+                     == after[p * BLOCK:(p + 1) * BLOCK]}
+        assert not any(o // BLOCK <= p < -(-(o + n) // BLOCK) for p in untouched
+                       for o, n in zip(changes.offset.tolist(), changes.length.tolist()))
+        snaps += [snap, following]
+        wanted += [held, after]
+        # Restored in place over the image from where it stands now.
+        store.restore(snap.id, image)
+        assert image.read_bytes() == held
+        assert before != held
+    for i, (s, want) in enumerate(zip(snaps, wanted)):
+        store.restore(s.id, xfs / "check.img")
+        assert (xfs / "check.img").read_bytes() == want
+    for s in disk_snaps[1:]:
+        store.rm(s.id)
+    for s, want in zip(snaps, wanted):
+        store.restore(s.id, xfs / "check.img")
+        assert (xfs / "check.img").read_bytes() == want
+    assert store.verify() == {}
+    assert list((store.root / "staging").iterdir()) == []
+
+
 def test_a_topped_up_capture_keeps_the_short_last_block_shared(store, xfs):
     # The short last block of an image is cloned into the layer at its end;
     # what take_more clones behind it would unshare it (the kernel zeroes

@@ -272,6 +272,30 @@ def test_ram_stored_per_small_step_is_a_few_mib(store, box):
     assert statistics.median(stored) < 4 * MiB and max(stored) < 8 * MiB, stored
 
 
+def test_the_page_cache_of_what_a_step_wrote_is_stored_once(store, box):
+    # A file a step writes is in the guest's page cache and on its disk: the
+    # memory snapshot points those pages into the disk snapshot's layer. A
+    # restore brings the file back in the page cache (read as cached) and on
+    # the disk (read past the cache), byte for byte.
+    run(box, COUNTER)
+    box.checkpoint("base")
+    checkpoints, hashes = [], []
+    for k in range(3):
+        hashes.append(run(box, f"head -c 524288 /dev/urandom > /root/blob{k} && "
+                               f"sha256sum < /root/blob{k}"))
+        checkpoints.append(box.checkpoint(f"blob {k}"))
+        timing = box.last_checkpoint
+        assert timing.memory_borrowed >= 256 << 10, timing
+        assert timing.memory_compared >= timing.memory_bytes + timing.memory_borrowed
+    run(box, "rm /root/blob0 /root/blob1; sync")
+    box.restore(checkpoints[1])
+    for k in (0, 1):
+        assert run(box, f"sha256sum < /root/blob{k}") == hashes[k]
+        assert run(box, f"dd if=/root/blob{k} iflag=direct bs=64k 2>/dev/null | sha256sum"
+                   ) == hashes[k]
+    assert store.verify() == {}
+
+
 def test_skip_unchanged_skips_only_when_nothing_ran(store, box):
     run(box, "echo a > /a")
     first = box.checkpoint("a", skip_unchanged=True)

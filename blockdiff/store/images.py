@@ -36,7 +36,7 @@ from blockdiff.engine.extents import (
     remap,
     union,
 )
-from blockdiff.errors import ConstraintFailed, StoreError, Unsupported
+from blockdiff.errors import ConstraintFailed, Damaged, StoreError, Unsupported
 from blockdiff.progress import NO_PROGRESS, Progress
 from blockdiff.store.catalog import Snapshot
 from blockdiff.store.ids import layer_number, new_id
@@ -152,6 +152,8 @@ class Capture:
         self.record = None   # the chunk checksums, once read
         self.only_changed_pages = False
         self.compared = 0    # bytes compared with the parent's by only_changed_pages
+        self.borrowed = 0    # bytes whose pieces point into another snapshot's layer
+        self.lent = None     # (those ranges, their positions there, that layer)
         self.snap: Snapshot | None = None
         # Called with the snapshot once committed (a shared store uploads it).
         self.on_commit = None
@@ -233,8 +235,14 @@ class Capture:
         self.changes = RangeSet(starts, ends - starts, np.full(len(starts), DATA, np.uint8))
 
     def finish(self, *, message: str = "", meta: dict | None = None,
-               ttl: float | None = None) -> Snapshot:
-        """Commit what was captured: the snapshot, in the catalog."""
+               ttl: float | None = None, borrow_from: Snapshot | None = None) -> Snapshot:
+        """Commit what was captured: the snapshot, in the catalog.
+
+        ``borrow_from`` (with ``only_changed_pages``): a snapshot of another
+        image whose own layer may hold some of the changed pages, byte for
+        byte (a VM's disk blocks in its page cache). Those pages are then
+        not stored again: their pieces point into that layer, and the image
+        is made to share its blocks (see ``_keep_changed_pages``)."""
         if self.snap is not None or self.layer_tmp is None:
             raise StoreError(f"the capture of {self.image} was finished or discarded already")
         if ttl is not None:
@@ -248,7 +256,7 @@ class Capture:
         placed: list[Path] = []
         try:
             if self.only_changed_pages:
-                self._keep_changed_pages()
+                self._keep_changed_pages(borrow_from)
                 changes, emap = self.changes, self.emap
             with open(layer_tmp, "rb") as out:
                 if self.record is None:
@@ -259,6 +267,9 @@ class Capture:
             pieces = None if parent_map is None else parent_map.pieces
             for round_changes, data_pos in self.rounds:
                 pieces = overlay(pieces, round_changes, data_pos, layer, emap.size)
+            if self.lent is not None:
+                lent, lent_pos, lender_layer = self.lent
+                pieces = overlay(pieces, lent, lent_pos, lender_layer, emap.size)
             smap = SnapshotMap(pieces, emap, layer)
             delta = None
             # A delta takes the parent's extents outside the change: only
@@ -305,15 +316,23 @@ class Capture:
             self.on_commit(snap)
         return snap
 
-    def _keep_changed_pages(self) -> None:
+    def _keep_changed_pages(self, lender: Snapshot | None) -> None:
         """Leave out of the staged layer every page whose bytes are the
-        parent's: the rounds become one, of the pages that differ, in a new
-        layer cloned from the old one, and the changes are those pages.
+        parent's, or are in the own layer of ``lender``: the rounds become
+        one, of the pages stored, in a new layer cloned from the old one, and
+        the changes are the pages that differ from the parent.
 
         The pages left out keep the parent's pieces and extents. Not the
         image's: their blocks are in no layer now, so the image writes them
         in place, which only a change of extent would have shown; recorded
-        as the parent's, they count as changed again at the next commit."""
+        as the parent's, they count as changed again at the next commit.
+
+        A page found in the lender's layer takes a piece there and the
+        lender's extent, and the image shares the lender's block from then
+        on (the kernel dedupes it, having compared the bytes under its
+        locks), so that a later write moves it as any other. Should the
+        image have written the page meanwhile, its block is another than the
+        one recorded, and the next commit sees it."""
         if self.parent is None or self.basis is None or not self.rounds:
             return
         page, kind, pos, length = _final_pages(self.rounds)
@@ -325,25 +344,26 @@ class Capture:
             same[part] = _same_as_parent(self.store, self.parent_map, self.layer_tmp,
                                          page[part], pos[part], kind[part] == ZERO)
         self.compared = len(at) * BLOCK
-        if not same.any():
+        lent = np.zeros(len(page), bool)
+        lent_pos = np.zeros(len(page), np.uint64)
+        if lender is not None:
+            candidates = np.flatnonzero(~same & (kind == DATA) & (length == BLOCK))
+            found, where = _in_layer_of(self.store, lender, self.layer_tmp, pos[candidates])
+            lent[candidates[found]], lent_pos[candidates[found]] = True, where[found]
+        if not same.any() and not lent.any():
             return
-        keep = ~same
-        page, kind, pos, length = page[keep], kind[keep], pos[keep], length[keep]
-        # One range per run of pages of one kind whose data also runs on.
-        b = np.uint64(BLOCK)
-        cut = np.ones(len(page), bool)
-        cut[1:] = ((page[1:] != page[:-1] + 1) | (kind[1:] != kind[:-1])
-                   | ((kind[1:] == DATA) & (pos[1:] != pos[:-1] + b)))
-        first = np.flatnonzero(cut)
-        kept = (RangeSet(page[first] * b, np.add.reduceat(length, first).astype(np.uint64),
-                         kind[first]) if len(page) else RangeSet.empty())
+        differ = ~same
+        stored = differ & ~lent
+        kept, first = _runs(page[stored], kind[stored], pos[stored], length[stored])
+        spos = pos[stored][first]
         data_pos = fmt.layout_data(kept, version=2)
         is_data = kept.kind == DATA
         fresh = self.store.object_files.staged(self.snap_id, "pages")
         out = self.store.object_files.create(fresh)
+        b = np.uint64(BLOCK)
         try:
             with open(self.layer_tmp, "rb") as old:
-                src = pos[first][is_data]
+                src = spos[is_data]
                 # Whole blocks, so that even the image's short last page is
                 # cloned (a partial block clones only at both files' ends).
                 span = np.minimum((kept.length[is_data] + b - np.uint64(1)) // b * b,
@@ -360,13 +380,50 @@ class Capture:
             # where no change of extent shows: keep the layer as it is.
             fresh.unlink()
             return
+        starts, ends = kept.offset, kept.offset + kept.length
+        inside, _ = partition(self.emap, starts, ends)
+        emap, _ = remap(self.basis, starts, ends, inside, size=self.emap.size)
+        if lent.any():
+            ranges, first = _runs(page[lent], kind[lent], lent_pos[lent], length[lent])
+            emap = self._share_lent(lender, ranges, lent_pos[lent][first], emap)
+            self.lent = (ranges, lent_pos[lent][first], self.store.load_map(lender).own_layer)
+            self.borrowed = ranges.bytes_of(DATA)
         os.replace(fresh, self.layer_tmp)
         self.rounds = [(kept, data_pos)]
         self.record = None   # read back from the new layer
-        starts, ends = kept.offset, kept.offset + kept.length
-        inside, _ = partition(self.emap, starts, ends)
-        self.emap, _ = remap(self.basis, starts, ends, inside, size=self.emap.size)
-        self.changes = kept
+        self.emap = emap
+        self.changes, _ = _runs(page[differ], kind[differ], None, length[differ])
+
+    def _share_lent(self, lender: Snapshot, ranges: RangeSet, lent_pos: np.ndarray,
+                    emap: ExtentMap) -> ExtentMap:
+        """Have the image share the lender's blocks of ``ranges`` (at
+        ``lent_pos`` in its layer); returns ``emap`` with the lender's extents
+        there. Also where the image wrote a page before it could share it:
+        an extent map may name only blocks that hold the snapshot's bytes
+        (an in-place restore skips a page whose block is the one named), and
+        the image's block there is another, so the next commit sees it."""
+        path = self.store.layer_path(self.store.load_map(lender).own_layer)
+        b = np.uint64(BLOCK)
+        with open(path, "rb") as src:
+            native.dedupe_ranges(src.fileno(), self.fd, lent_pos, ranges.offset,
+                                 ranges.length, self.image)
+            which, within = _by_page(ranges.length)
+            offset = ranges.offset[which] + within * b   # sorted
+            theirs = lent_pos[which] + within * b        # some may repeat
+            unique = np.unique(theirs)
+            starts, ends = union(unique, unique + b)
+            logical, physical, length, flags = native.fiemap_ranges(src.fileno(), starts, ends,
+                                                                    path)
+        # Each page's block in the layer, at the page's offset in the image.
+        ext = np.searchsorted(logical, theirs, side="right") - 1
+        found = ext >= 0
+        found[found] = theirs[found] < logical[ext[found]] + length[ext[found]]
+        if not found.all():   # the layer holds data there: it was read above
+            raise Damaged(f"layer {path} has no extent for a page it was read from")
+        fresh = (offset, physical[ext] + (theirs - logical[ext]), np.full(len(offset), b),
+                 flags[ext])
+        emap, _ = remap(emap, offset, offset + b, fresh, size=emap.size)
+        return emap
 
     def discard(self) -> None:
         """The staged layer of a capture never finished goes."""
@@ -392,6 +449,22 @@ def _with_short_tail(changes: RangeSet, size: int) -> RangeSet:
     length = np.minimum(length, np.uint64(tail) - offset)
     return RangeSet(np.append(offset, np.uint64(tail)), np.append(length, np.uint64(size - tail)),
                     np.append(kind, np.uint8(DATA)))
+
+
+def _runs(page: np.ndarray, kind: np.ndarray, pos: np.ndarray | None,
+          length: np.ndarray) -> tuple[RangeSet, np.ndarray]:
+    """Sorted pages as ranges: one per run of consecutive pages of one kind
+    (whose data, with ``pos``, also runs on), and each range's first page."""
+    b = np.uint64(BLOCK)
+    cut = np.ones(len(page), bool)
+    cut[1:] = (page[1:] != page[:-1] + 1) | (kind[1:] != kind[:-1])
+    if pos is not None:
+        cut[1:] |= (kind[1:] == DATA) & (pos[1:] != pos[:-1] + b)
+    first = np.flatnonzero(cut)
+    if not len(page):
+        return RangeSet.empty(), first
+    return RangeSet(page[first] * b, np.add.reduceat(length, first).astype(np.uint64),
+                    kind[first]), first
 
 
 def _by_page(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -468,6 +541,48 @@ def _same_as_parent(store: StoreState, parent_map: SnapshotMap, layer_path: Path
             held = np.zeros(int(mine.sum()), bool)
         known[row[mine][~held]] = False
     return known & (new == old).all(axis=1)
+
+
+def _in_layer_of(store: StoreState, lender: Snapshot, layer_path: Path,
+                 positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Which of the pages at ``positions`` in the staged layer at
+    ``layer_path`` are, byte for byte, whole pages of ``lender``'s own layer,
+    and where there: matched by CRC32C, then compared."""
+    none = np.zeros(len(positions), bool), np.zeros(len(positions), np.uint64)
+    lender_map = store.load_map(lender)
+    pieces = lender_map.pieces
+    own = pieces.layer == lender_map.own_layer
+    if not len(positions) or not own.any():
+        return none
+    b = np.uint64(BLOCK)
+    which, within = _by_page(pieces.length[own])
+    whole = pieces.length[own][which] - within * b >= b
+    theirs = (pieces.pos[own][which] + within * b)[whole & (pieces.pos[own][which] % b == 0)]
+    if not len(theirs):
+        return none
+    page_length = np.full(len(theirs), b, np.uint64)
+    lender_path = store.layer_path(lender_map.own_layer)
+    try:
+        with open(lender_path, "rb") as f:
+            their_crcs = native.chunk_crcs(f.fileno(), theirs, page_length, BLOCK, lender_path)
+    except (FileNotFoundError, OSError):   # held elsewhere, or shorter: nothing to borrow
+        return none
+    with open(layer_path, "rb") as f:
+        our_crcs = native.chunk_crcs(f.fileno(), positions,
+                                     np.full(len(positions), b, np.uint64), BLOCK, layer_path)
+    order = np.argsort(their_crcs, kind="stable")
+    their_crcs, theirs = their_crcs[order], theirs[order]
+    at = np.minimum(np.searchsorted(their_crcs, our_crcs), len(theirs) - 1)
+    match = np.flatnonzero(their_crcs[at] == our_crcs)
+    if not len(match):
+        return none
+    ours, held = _read_pages(layer_path, positions[match])
+    lent, held_too = _read_pages(lender_path, theirs[at[match]])
+    equal = held & held_too & (ours == lent).all(axis=1)
+    found, where = none
+    found[match[equal]] = True
+    where[match[equal]] = theirs[at[match[equal]]]
+    return found, where
 
 
 def _changes(store: StoreState, fd: int, image: str, size: int, parent_snap: Snapshot | None,

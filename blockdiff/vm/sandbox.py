@@ -80,6 +80,7 @@ class CheckpointTiming:
     memory: bool = False    # RAM and device state are in the checkpoint too
     memory_bytes: int = 0   # bytes of the memory image the memory snapshot stored
     memory_compared: int = 0   # bytes it compared with its parent's to keep only those
+    memory_borrowed: int = 0   # bytes of it the disk snapshot's layer holds (page cache)
 
 
 @dataclass(frozen=True)
@@ -376,7 +377,7 @@ class Sandbox:
                 frozen = time.monotonic()
                 snap = memory_snap = None
                 try:
-                    snap, memory_snap, pause, compared = self._commit_paused(
+                    snap, memory_snap, pause, memory_capture = self._commit_paused(
                         memory, message, meta, ttl, skip_unchanged and not memory)
                 finally:
                     if meta["vm.flush"] == FSFREEZE:
@@ -386,13 +387,15 @@ class Sandbox:
             self.last_checkpoint = CheckpointTiming(
                 frozen - start, pause.seconds, time.monotonic() - start,
                 pause.written is not None, memory,
-                memory_snap.changed_bytes if memory_snap else 0, compared)
+                memory_snap.changed_bytes - memory_capture.borrowed if memory_snap else 0,
+                memory_capture.compared if memory_snap else 0,
+                memory_capture.borrowed if memory_snap else 0)
             return snap.id
 
     def _commit_paused(self, memory: bool, message: str, meta: dict, ttl: float | None,
                        skip_unchanged: bool, *, disk_in_pause: bool | None = None):
         """The commit of a checkpoint: ``(disk snapshot, memory snapshot or
-        None, pause, bytes the memory capture compared with its parent's)``.
+        None, pause, the memory's capture or None)``.
         The VM is paused only while the store captures what changed (see
         ``Store.capturing``), cloning it into staged layers;
         the captures are committed once it runs again.
@@ -404,7 +407,13 @@ class Sandbox:
         disk after the pause (unless ``disk_in_pause``): the guest's
         filesystem and processes are frozen, so its disk holds still, which
         QEMU's count of the disk's writes confirms. Should the count have
-        moved, both are captured again, the disk in the pause."""
+        moved, both are captured again, the disk in the pause.
+
+        The disk snapshot is committed first, naming the memory snapshot to
+        come, and the memory borrows from its layer the pages of the guest's
+        page cache that hold blocks the step wrote. A failure (or a crash)
+        between the two leaves a disk snapshot whose memory is not in the
+        store, which a restore refuses unless it is of the disk only."""
         if disk_in_pause is None:
             disk_in_pause = not memory
         with contextlib.ExitStack() as captures:
@@ -428,20 +437,21 @@ class Sandbox:
                     captures.close()
                     return self._commit_paused(memory, message, meta, ttl, skip_unchanged,
                                                disk_in_pause=True)
-            memory_snap = None
             if memory_capture is not None:
-                memory_snap = memory_capture.finish(
-                    message=f"memory: {message}" if message else "memory",
-                    meta=self._memory_meta(pause), ttl=ttl)
-                meta[MEMORY_KEY] = memory_snap.id
+                meta[MEMORY_KEY] = memory_capture.snap_id
             if skip_unchanged and disk_capture.unchanged:
                 snap = disk_capture.parent
             else:
                 snap = disk_capture.finish(message=message, meta=meta, ttl=ttl)
+            memory_snap = None
+            if memory_capture is not None:
+                memory_snap = memory_capture.finish(
+                    message=f"memory: {message}" if message else "memory",
+                    meta=self._memory_meta(pause), ttl=ttl, borrow_from=snap)
         # The bitmap that started in the pause started with the disk being
         # this snapshot.
         self.machine.trust_tracking(pause, self.store.lineage_mark(self.disk))
-        return snap, memory_snap, pause, memory_capture.compared if memory_capture else 0
+        return snap, memory_snap, pause, memory_capture
 
     def _memory_meta(self, pause) -> dict:
         """The metadata of a memory snapshot: what it is, the machine it can
@@ -604,8 +614,9 @@ class Sandbox:
         try:
             return self.store.get(memory_id)
         except UnknownSnapshot:
-            raise VMError(f"the memory of checkpoint {snap.id} (snapshot {memory_id}) is no "
-                          f"longer in the store; restore its disk only (--disk-only)") from None
+            raise VMError(f"the memory of checkpoint {snap.id} (snapshot {memory_id}) is not "
+                          f"in the store (removed, or its checkpoint was interrupted); restore "
+                          f"its disk only (--disk-only)") from None
 
     def _check_machine(self, snap: Snapshot, memory_snap: Snapshot, machine: Machine) -> None:
         """VMError, saying what to do, unless ``machine`` is the machine the
@@ -683,8 +694,9 @@ class Sandbox:
                 memory_snap = store.get(snap.meta[MEMORY_KEY])
             except UnknownSnapshot:
                 raise VMError(f"the memory of checkpoint {snap.id} (snapshot "
-                              f"{snap.meta[MEMORY_KEY]}) is no longer in the store; start "
-                              f"from its disk only (--disk-only)") from None
+                              f"{snap.meta[MEMORY_KEY]}) is not in the store (removed, or its "
+                              f"checkpoint was interrupted); start from its disk only "
+                              f"(--disk-only)") from None
         if memory_snap is not None:
             recorded = recorded_machine(memory_snap)
             memory_mb = recorded.get("memory_mb", memory_mb)
