@@ -886,8 +886,10 @@ def test_a_capture_of_changed_pages_borrows_the_pages_another_snapshot_stored(st
                 os.pwrite(f.fileno(), blocks[k], page * BLOCK)
         disk_snaps.append(store.commit(disk, message=f"disk {step}"))
         before = image.read_bytes()
-        cached = rnd.sample(range(pages), len(blocks))
-        own = set(rnd.sample(range(pages), 8)) - set(cached)
+        # Apart, so that each page is an extent of its own once written back
+        # (sharing a block in the middle of one is not worth its extents).
+        cached = [4 * p for p in rnd.sample(range(pages // 4), len(blocks))]
+        own = {4 * p + 2 for p in rnd.sample(range(pages // 4 - 1), 8)}
         with open(image, "r+b") as f:
             for k, page in enumerate(cached):
                 os.pwrite(f.fileno(), blocks[k], page * BLOCK)
@@ -939,6 +941,26 @@ def test_a_capture_of_changed_pages_borrows_the_pages_another_snapshot_stored(st
         assert (xfs / "check.img").read_bytes() == want
     assert store.verify() == {}
     assert list((store.root / "staging").iterdir()) == []
+
+
+def test_pages_are_borrowed_where_sharing_them_adds_no_extents_or_saves_a_long_run():
+    # The image: one extent of 100 pages, then single-page extents. Pages
+    # lent at 10-12 would split the big extent (two more extents for three
+    # pages): not borrowed. A run of LONG_RUN pages inside it is. Single
+    # pages that are extents of their own are, and so is a run of two that
+    # covers two whole extents.
+    from blockdiff.engine.extents import ExtentMap
+    from blockdiff.store.images import LONG_RUN, _worth_sharing
+    logical = [0] + [(100 + k) * BLOCK for k in range(10)]
+    emap = ExtentMap.from_arrays(logical, [(1000 + 3 * k) * BLOCK for k in range(11)],
+                                 [100 * BLOCK] + [BLOCK] * 10, [0] * 11, 110 * BLOCK)
+    page = np.array([10, 11, 12, *range(40, 40 + LONG_RUN), 101, 103, 104, 107], np.uint64)
+    lent_pos = np.array([5, 6, 7, *range(20, 20 + LONG_RUN), 50, 60, 61, 70],
+                        np.uint64) * np.uint64(BLOCK)
+    lent = np.ones(len(page), bool)
+    lent[-1] = False
+    kept = _worth_sharing(page, lent, lent_pos, emap)
+    assert kept.tolist() == [False] * 3 + [True] * LONG_RUN + [True, True, True, False]
 
 
 def test_a_topped_up_capture_keeps_the_short_last_block_shared(store, xfs):
