@@ -117,12 +117,7 @@ class Launch:
             *(["-cpu", "host"] if self.accel == "kvm" else []),
             "-m", str(self.memory_mb), "-smp", str(self.cpus),
             "-kernel", str(self.kernel), "-initrd", str(self.initrd),
-            # init_on_free: a page the guest frees is zeroed, so that what a
-            # process freed (a secret among it) is in no later memory
-            # snapshot, and a page freed again reads as the zeros it held,
-            # which a checkpoint need not store (about 0.3 MiB of a small
-            # step's 2.3).
-            "-append", "console=ttyS0 panic=-1 quiet init_on_free=1",
+            "-append", "console=ttyS0 panic=-1 quiet",
             "-no-reboot",
             "-serial", f"file:{CONSOLE_LOG}",
             # writeback: the guest's flushes become fdatasync on the image, and
