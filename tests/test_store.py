@@ -813,6 +813,64 @@ def test_a_removal_of_the_parent_beside_an_open_capture(store, xfs, only_changed
     assert store.verify() == {}
 
 
+def test_a_removal_of_the_lender_beside_an_open_capture(store, xfs):
+    # Another process removes the snapshot a capture borrows pages from
+    # while the capture is open, at various moments. Either the capture
+    # commits first, and its layer reference keeps the lender's layer, or
+    # the removal comes first and finish refuses, since the removal dropped
+    # the record of the lender's layer and deletes its file once the capture
+    # lets go of the store. Either way the image's next snapshot restores
+    # byte for byte once the lender is gone.
+    image, rnd = _committed_ram_image(store, xfs, 11)
+    disk = xfs / "disk.img"
+    make_base_image(disk, SIZE, 12)
+    pages = SIZE // BLOCK
+    outcomes = []
+    for round_, wait in enumerate([0.0, 0.3, 0.8, 1.5, 3.0]):
+        blocks = [rnd.randbytes(BLOCK) for _ in range(6)]
+        with open(disk, "r+b") as f:
+            for k, page in enumerate(rnd.sample(range(pages), len(blocks))):
+                os.pwrite(f.fileno(), blocks[k], page * BLOCK)
+        lender = store.commit(disk, message=f"disk {round_}")
+        with open(image, "r+b") as f:
+            for k, page in enumerate(rnd.sample(range(pages // 4), len(blocks))):
+                os.pwrite(f.fileno(), blocks[k], 4 * page * BLOCK)
+        with store.capturing(image, only_changed_pages=True) as capture:
+            held = digest(image)
+            remover = subprocess.Popen(
+                [sys.executable, "-c", "import sys\n"
+                 "from blockdiff.store.store import Store\n"
+                 "with Store(sys.argv[1]) as s:\n"
+                 "    s.rm(sys.argv[2])\n", str(store.root), lender.id],
+                stderr=subprocess.PIPE, text=True)
+            snap = None
+            try:
+                time.sleep(wait)
+                snap = capture.finish(message=f"memory {round_}", borrow_from=lender)
+                assert capture.borrowed == len(blocks) * BLOCK
+            except StoreError as e:
+                assert "removed meanwhile; commit it again" in str(e)
+            except BaseException:
+                remover.kill()
+                raise
+        try:
+            remover.wait(60)
+        finally:
+            remover.kill()
+        assert remover.returncode == 0, remover.stderr.read()
+        with pytest.raises(UnknownSnapshot):
+            store.get(lender.id)
+        assert list((store.root / "staging").iterdir()) == []
+        outcomes.append(snap is not None)
+        if snap is None:
+            snap = store.commit(image, message=f"again {round_}")
+        check = xfs / f"memory{round_}.img"
+        store.restore(snap.id, check)
+        assert digest(check) == held
+    assert store.verify() == {}
+    assert True in outcomes
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_a_capture_of_changed_pages_stores_only_the_pages_whose_bytes_differ(store, xfs, seed):
     # Pages rewritten with the bytes they held move to new extents but are

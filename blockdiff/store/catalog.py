@@ -322,9 +322,14 @@ class Catalog:
             + " ORDER BY s.seq DESC", (snapshot_id,))
         return [_row(r) for r in rows]
 
-    def add(self, db, snapshot: Snapshot, layers, new_layer: LayerRecord | None = None) -> int:
+    def add(self, db, snapshot: Snapshot, layers, new_layer: LayerRecord | None = None,
+            lenders: tuple[str, ...] = ()) -> int:
         """Insert a snapshot, the layers its pieces use and the record of the
-        layer it wrote, inside an open transaction; returns its seq."""
+        layer it wrote, inside an open transaction; returns its seq.
+        ``lenders``: snapshots into whose own layers its pieces point as
+        well; they must still be there (ConstraintFailed), since a removal
+        committed first dropped the record of a layer only they used, and
+        deletes its file once the capture lets go of the store."""
         def seq_of(snapshot_id):
             if snapshot_id is None:
                 return None
@@ -333,6 +338,8 @@ class Catalog:
                 raise ConstraintFailed(f"snapshot {snapshot_id} was removed meanwhile")
             return row[0]
 
+        for lender in lenders:
+            seq_of(lender)
         if new_layer is not None:
             self.add_layer(db, new_layer, placed=snapshot.created)
         layers = sorted({int(layer) for layer in layers})

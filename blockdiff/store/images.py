@@ -157,6 +157,9 @@ class Capture:
         self.compared = 0    # bytes compared with the parent's by only_changed_pages
         self.borrowed = 0    # bytes whose pieces point into another snapshot's layer
         self.lent = None     # (those ranges, their positions there, that layer)
+        # The shared store lock held from the capture on keeps a removed
+        # lender's layer file until the commit; the catalog refuses the
+        # commit if the lender's row is gone by then (Catalog.add).
         self.snap: Snapshot | None = None
         # Called with the snapshot once committed (a shared store uploads it).
         self.on_commit = None
@@ -303,9 +306,10 @@ class Capture:
                                      or store.catalog.layer(layer) is not None):
                         raise StoreError(f"snapshot {snap_id} was in this store before; "
                                          f"it cannot come back under the same id")
-                    snap.seq = store.catalog.add(db, snap, np.unique(pieces.layer),
-                                                 self.record)
-            except ConstraintFailed as e:   # the parent was removed meanwhile
+                    snap.seq = store.catalog.add(
+                        db, snap, np.unique(pieces.layer), self.record,
+                        lenders=(borrow_from.id,) if self.lent is not None else ())
+            except ConstraintFailed as e:   # the parent or the lender was removed meanwhile
                 raise StoreError(f"cannot commit {self.image}: {e}; commit it again") from None
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
