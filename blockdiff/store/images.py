@@ -601,7 +601,7 @@ def _in_layer_of(store: StoreState, lender: Snapshot, layer_path: Path,
     try:
         with open(lender_path, "rb") as f:
             their_crcs = native.chunk_crcs(f.fileno(), theirs, page_length, BLOCK, lender_path)
-    except (FileNotFoundError, OSError):   # held elsewhere, or shorter: nothing to borrow
+    except OSError:   # held elsewhere, or unreadable: nothing is borrowed from it
         return none
     with open(layer_path, "rb") as f:
         our_crcs = native.chunk_crcs(f.fileno(), positions,
