@@ -760,6 +760,30 @@ def test_a_capture_is_the_image_as_it_was_when_last_taken(store, xfs, seed):
         capture.finish()
 
 
+def _removing(store, snapshot_id):
+    """Another process, started now, removing a snapshot of the store."""
+    return subprocess.Popen(
+        [sys.executable, "-c", "import sys\n"
+         "from blockdiff.store.store import Store\n"
+         "with Store(sys.argv[1]) as s:\n"
+         "    s.rm(sys.argv[2])\n", str(store.root), snapshot_id],
+        stderr=subprocess.PIPE, text=True)
+
+
+def _removed(store, remover, snapshot_id):
+    """Once a capture's block has ended: the removal ``remover`` finished
+    (it deletes files under the exclusive store lock, which waits for the
+    block), the snapshot is gone and nothing is left staged."""
+    try:
+        remover.wait(60)
+    finally:
+        remover.kill()
+    assert remover.returncode == 0, remover.stderr.read()
+    with pytest.raises(UnknownSnapshot):
+        store.get(snapshot_id)
+    assert list((store.root / "staging").iterdir()) == []
+
+
 @pytest.mark.parametrize("only_changed_pages", [False, True])
 def test_a_removal_of_the_parent_beside_an_open_capture(store, xfs, only_changed_pages):
     # Another process removes a capture's parent (its only snapshot so far)
@@ -776,12 +800,7 @@ def test_a_removal_of_the_parent_beside_an_open_capture(store, xfs, only_changed
         _scribble(image, rnd, 10, mapped=True)
         with store.capturing(image, only_changed_pages=only_changed_pages) as capture:
             held = digest(image)
-            remover = subprocess.Popen(
-                [sys.executable, "-c", "import sys\n"
-                 "from blockdiff.store.store import Store\n"
-                 "with Store(sys.argv[1]) as s:\n"
-                 "    s.rm(sys.argv[2])\n", str(store.root), parent.id],
-                stderr=subprocess.PIPE, text=True)
+            remover = _removing(store, parent.id)
             snap = None
             try:
                 time.sleep(wait)
@@ -792,16 +811,7 @@ def test_a_removal_of_the_parent_beside_an_open_capture(store, xfs, only_changed
             except BaseException:
                 remover.kill()
                 raise
-        # The removal deletes files under the exclusive store lock, which
-        # waits for the capture's block to end.
-        try:
-            remover.wait(60)
-        finally:
-            remover.kill()
-        assert remover.returncode == 0, remover.stderr.read()
-        with pytest.raises(UnknownSnapshot):
-            store.get(parent.id)
-        assert list((store.root / "staging").iterdir()) == []
+        _removed(store, remover, parent.id)
         if snap is None:
             snap = store.commit(image, message=f"again {round_}")
             held = digest(image)
@@ -837,12 +847,7 @@ def test_a_removal_of_the_lender_beside_an_open_capture(store, xfs):
                 os.pwrite(f.fileno(), blocks[k], 4 * page * BLOCK)
         with store.capturing(image, only_changed_pages=True) as capture:
             held = digest(image)
-            remover = subprocess.Popen(
-                [sys.executable, "-c", "import sys\n"
-                 "from blockdiff.store.store import Store\n"
-                 "with Store(sys.argv[1]) as s:\n"
-                 "    s.rm(sys.argv[2])\n", str(store.root), lender.id],
-                stderr=subprocess.PIPE, text=True)
+            remover = _removing(store, lender.id)
             snap = None
             try:
                 time.sleep(wait)
@@ -853,14 +858,7 @@ def test_a_removal_of_the_lender_beside_an_open_capture(store, xfs):
             except BaseException:
                 remover.kill()
                 raise
-        try:
-            remover.wait(60)
-        finally:
-            remover.kill()
-        assert remover.returncode == 0, remover.stderr.read()
-        with pytest.raises(UnknownSnapshot):
-            store.get(lender.id)
-        assert list((store.root / "staging").iterdir()) == []
+        _removed(store, remover, lender.id)
         outcomes.append(snap is not None)
         if snap is None:
             snap = store.commit(image, message=f"again {round_}")

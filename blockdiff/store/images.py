@@ -393,8 +393,9 @@ class Capture:
         emap, _ = remap(self.basis, starts, ends, inside, size=self.emap.size)
         if lent.any():
             ranges, first = _runs(page[lent], kind[lent], lent_pos[lent], length[lent])
-            emap = self._share_lent(lender, ranges, lent_pos[lent][first], emap)
-            self.lent = (ranges, lent_pos[lent][first], self.store.load_map(lender).own_layer)
+            lender_layer = self.store.load_map(lender).own_layer
+            emap = self._share_lent(lender_layer, ranges, lent_pos[lent][first], emap)
+            self.lent = (ranges, lent_pos[lent][first], lender_layer)
             self.borrowed = ranges.bytes_of(DATA)
         os.replace(fresh, self.layer_tmp)
         self.rounds = [(kept, data_pos)]
@@ -402,15 +403,15 @@ class Capture:
         self.emap = emap
         self.changes, _ = _runs(page[differ], kind[differ], None, length[differ])
 
-    def _share_lent(self, lender: Snapshot, ranges: RangeSet, lent_pos: np.ndarray,
+    def _share_lent(self, lender_layer: int, ranges: RangeSet, lent_pos: np.ndarray,
                     emap: ExtentMap) -> ExtentMap:
-        """Have the image share the lender's blocks of ``ranges`` (at
-        ``lent_pos`` in its layer); returns ``emap`` with the lender's extents
+        """Have the image share the blocks of ``ranges`` that the lender's
+        layer ``lender_layer`` holds at ``lent_pos``; returns ``emap`` with the lender's extents
         there. Also where the image wrote a page before it could share it:
         an extent map may name only blocks that hold the snapshot's bytes
         (an in-place restore skips a page whose block is the one named), and
         the image's block there is another, so the next commit sees it."""
-        path = self.store.layer_path(self.store.load_map(lender).own_layer)
+        path = self.store.layer_path(lender_layer)
         b = np.uint64(BLOCK)
         with open(path, "rb") as src:
             native.dedupe_ranges(src.fileno(), self.fd, lent_pos, ranges.offset,
