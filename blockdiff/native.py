@@ -298,11 +298,12 @@ def fsync(fd: int, path: str | os.PathLike) -> None:
     _check(lib.bd_fsync(fd), path)
 
 
-def write_out(fd: int, path: str | os.PathLike) -> None:
+def write_out(fd: int, path: str | os.PathLike, offset: int = 0, length: int = 0) -> None:
     """Write a file's dirty pages out and wait until they are: on XFS its
     extent map is then final (a copy-on-write is remapped before the page
-    counts as written), without fsync's log force. Not durable by itself."""
-    _check(lib.bd_write_out(fd), path)
+    counts as written), without fsync's log force. Not durable by itself.
+    ``offset``, ``length``: only that range (a length of 0: to the end)."""
+    _check(lib.bd_write_out(fd, offset, length), path)
 
 
 def truncate(fd: int, size: int, path: str | os.PathLike) -> None:

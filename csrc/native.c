@@ -603,11 +603,11 @@ int bd_read_blocks(int fd, const uint64_t *offsets, size_t n, uint32_t block,
 
 int bd_fsync(int fd) { return fsync(fd) < 0 ? -errno : 0; }
 
-int bd_write_out(int fd)
+int bd_write_out(int fd, uint64_t offset, uint64_t length)
 {
     unsigned flags = SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE |
                      SYNC_FILE_RANGE_WAIT_AFTER;
-    return sync_file_range(fd, 0, 0, flags) < 0 ? -errno : 0;
+    return sync_file_range(fd, (off_t)offset, (off_t)length, flags) < 0 ? -errno : 0;
 }
 
 int bd_truncate(int fd, uint64_t size)

@@ -89,7 +89,7 @@ int bd_dedupe_ranges(int src_fd, int dst_fd, const uint64_t *src_off,
 int bd_fsync(int fd);
 /* Write a file's dirty pages out and wait for them (sync_file_range over the
  * whole file): its extents are then final, without fsync's log force. */
-int bd_write_out(int fd);
+int bd_write_out(int fd, uint64_t offset, uint64_t length);
 int bd_truncate(int fd, uint64_t size);
 
 /* statfs f_type and the fundamental block size, plus st_dev. */

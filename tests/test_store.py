@@ -942,8 +942,6 @@ def test_a_capture_of_changed_pages_borrows_the_pages_another_snapshot_stored(st
                 os.pwrite(f.fileno(), blocks[k], page * BLOCK)
         disk_snaps.append(store.commit(disk, message=f"disk {step}"))
         before = image.read_bytes()
-        # Apart, so that each page is an extent of its own once written back
-        # (sharing a block in the middle of one is not worth its extents).
         cached = [4 * p for p in rnd.sample(range(pages // 4), len(blocks))]
         own = {4 * p + 2 for p in rnd.sample(range(pages // 4 - 1), 8)}
         with open(image, "r+b") as f:
@@ -999,24 +997,34 @@ def test_a_capture_of_changed_pages_borrows_the_pages_another_snapshot_stored(st
     assert list((store.root / "staging").iterdir()) == []
 
 
-def test_pages_are_borrowed_where_sharing_them_adds_no_extents_or_saves_a_long_run():
-    # The image: one extent of 100 pages, then single-page extents. Pages
-    # lent at 10-12 would split the big extent (two more extents for three
-    # pages): not borrowed. A run of LONG_RUN pages inside it is. Single
-    # pages that are extents of their own are, and so is a run of two that
-    # covers two whole extents.
-    from blockdiff.engine.extents import ExtentMap
-    from blockdiff.store.images import LONG_RUN, _worth_sharing
-    logical = [0] + [(100 + k) * BLOCK for k in range(10)]
-    emap = ExtentMap.from_arrays(logical, [(1000 + 3 * k) * BLOCK for k in range(11)],
-                                 [100 * BLOCK] + [BLOCK] * 10, [0] * 11, 110 * BLOCK)
-    page = np.array([10, 11, 12, *range(40, 40 + LONG_RUN), 101, 103, 104, 107], np.uint64)
-    lent_pos = np.array([5, 6, 7, *range(20, 20 + LONG_RUN), 50, 60, 61, 70],
-                        np.uint64) * np.uint64(BLOCK)
-    lent = np.ones(len(page), bool)
-    lent[-1] = False
-    kept = _worth_sharing(page, lent, lent_pos, emap)
-    assert kept.tolist() == [False] * 3 + [True] * LONG_RUN + [True, True, True, False]
+@pytest.mark.parametrize("seed", range(3))
+def test_a_capture_topped_up_within_ranges_takes_those_alone(store, xfs, seed):
+    # take_more(within=...) maps and takes only those ranges (a VM's
+    # device-state area, written once its RAM runs again): the snapshot is
+    # the image as captured, but for them; the next commit sees the rest.
+    image, rnd = _committed_ram_image(store, xfs, seed)
+    start, length = 256 * BLOCK, 300 * BLOCK
+    within = (np.array([start], np.uint64), np.array([length], np.uint64))
+    for step in range(3):
+        _scribble(image, rnd, 10, mapped=True)
+        with store.capturing(image) as capture:
+            held = image.read_bytes()
+            _scribble(image, rnd, 6, mapped=True)   # anywhere, after the capture
+            with open(image, "r+b") as f:
+                os.pwrite(f.fileno(), rnd.randbytes(rnd.randint(1, length)), start)
+            capture.take_more(within=within)
+            now = image.read_bytes()
+            _scribble(image, rnd, 3, mapped=False)   # after the top-up: not in it
+            snap = capture.finish(message=f"step {step}")
+        check = xfs / f"check{step}.img"
+        store.restore(snap.id, check)
+        assert check.read_bytes() == held[:start] + now[start:start + length] + \
+            held[start + length:]
+        after = image.read_bytes()
+        following = store.commit(image, message=f"after {step}")
+        store.restore(following.id, check)
+        assert check.read_bytes() == after
+    assert store.verify() == {}
 
 
 def test_a_topped_up_capture_keeps_the_short_last_block_shared(store, xfs):

@@ -50,9 +50,6 @@ from blockdiff.store.views import host_extents, record_view
 BLOCK = 4096
 # Pages compared at a time with the parent's (see Capture._keep_changed_pages).
 COMPARED_PAGES = 4096
-# Pages borrowed from another snapshot's layer even where sharing its blocks
-# splits the image's extents (see _worth_sharing).
-LONG_RUN = 16
 
 # ``(offsets, lengths)`` of the byte ranges written to an image.
 Written = tuple[np.ndarray, np.ndarray]
@@ -208,24 +205,38 @@ class Capture:
                                            self.parent_map, self.basis, written)
         self._clone(self.changes, 0, record=checksum_image, progress=progress)
 
-    def take_more(self) -> None:
+    def take_more(self, within: Written | None = None) -> None:
         """Capture what the image changed since it was captured (or since
         the last call), adding it to the staged layer: a capture taken while
         the image still changed, topped up once it holds still, so that the
         hold lasts only for the remainder. Needs reflink: the changes are
-        found by comparing the image's extent map with the one captured."""
+        found by comparing the image's extent map with the one captured.
+
+        ``within``: ``(offsets, lengths)`` of the only ranges that changed
+        (or that are to be captured: the rest of the image may go on
+        changing), which are then the only ones mapped."""
         if self.store.copy_mode:
             raise Unsupported("a capture is topped up by extent maps, which need reflink")
         fd, image = self.fd, self.image
-        # Written out, not fsynced: the extent map is then final, and the
-        # layer's fsync in finish() makes the data it shares durable.
-        native.write_out(fd, image)
-        emap = ExtentMap.of_file(fd, image, sync=False)   # written out above
-        emap.check_supported(image)
-        if emap.size != self.emap.size:
+        if os.fstat(fd).st_size != self.emap.size:
             raise StoreError(f"{image} changed size while it was being committed; "
                              f"commit it again")
-        more = changed_ranges(emap, self.emap, BLOCK)
+        # Written out, not fsynced: the extent map is then final, and the
+        # layer's fsync in finish() makes the data it shares durable.
+        if within is None:
+            native.write_out(fd, image)
+            emap = ExtentMap.of_file(fd, image, sync=False)   # written out above
+            emap.check_supported(image)
+            more = changed_ranges(emap, self.emap, BLOCK)
+        else:
+            starts, ends = normalize_ranges(*within, self.emap.size, BLOCK)
+            if not len(starts):
+                return
+            native.write_out(fd, image, int(starts[0]), int(ends[-1] - starts[0]))
+            fresh = native.fiemap_ranges(fd, starts, ends, image)
+            emap, (now, before) = remap(self.emap, starts, ends, fresh)
+            now.check_supported(image)
+            more = changed_ranges(now, before, BLOCK)
         self.emap = emap
         if not len(more):
             return
@@ -357,7 +368,6 @@ class Capture:
             candidates = np.flatnonzero(~same & (kind == DATA) & (length == BLOCK))
             found, where = _in_layer_of(self.store, lender, self.layer_tmp, pos[candidates])
             lent[candidates[found]], lent_pos[candidates[found]] = True, where[found]
-            lent &= _worth_sharing(page, lent, lent_pos, self.emap)
         if not same.any() and not lent.any():
             return
         differ = ~same
@@ -550,34 +560,6 @@ def _same_as_parent(store: StoreState, parent_map: SnapshotMap, layer_path: Path
             held = np.zeros(int(mine.sum()), bool)
         known[row[mine][~held]] = False
     return known & (new == old).all(axis=1)
-
-
-def _worth_sharing(page: np.ndarray, lent: np.ndarray, lent_pos: np.ndarray,
-                   emap: ExtentMap) -> np.ndarray:
-    """Which of the ``lent`` pages (sorted numbers, at ``lent_pos`` in the
-    lender's layer) to borrow: those of runs of at least ``LONG_RUN`` pages,
-    and those of shorter runs that would not add to the image's extents
-    once it shares the lender's blocks. A run that splits an extent of the
-    image (``emap``) adds one or two, each of which every later extent map
-    of the image (inside a VM's pause), and every fork's clones, pay for."""
-    keep = lent.copy()
-    at = np.flatnonzero(lent)
-    if not len(at):
-        return keep
-    b = np.uint64(BLOCK)
-    ranges, first = _runs(page[at], np.full(len(at), DATA, np.uint8), lent_pos[at],
-                          np.full(len(at), b, np.uint64))
-    pages = (ranges.length // b).astype(np.int64)
-    start, end = ranges.offset, ranges.offset + ranges.length
-    extent_start, extent_end = emap.logical, emap.logical + emap.length
-    # Extents split at either end, less the extents the run covers whole.
-    split = ((~np.isin(start, extent_start)) & (~np.isin(start, extent_end))).astype(np.int64)
-    split += ((~np.isin(end, extent_end)) & (~np.isin(end, extent_start))).astype(np.int64)
-    covered = (np.searchsorted(extent_end, end, side="right")
-               - np.searchsorted(extent_start, start, side="left"))
-    worth = (pages >= LONG_RUN) | (split + 1 - np.maximum(covered, 0) <= 0)
-    keep[at] = np.repeat(worth, pages)
-    return keep
 
 
 def _in_layer_of(store: StoreState, lender: Snapshot, layer_path: Path,

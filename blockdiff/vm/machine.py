@@ -105,10 +105,10 @@ class Pause:
     seconds: float = 0.0             # how long the VM was stopped, once it runs again
     memory: Path | None = None       # with memory=True: the memory image, device state saved
     device_state: int = 0            # bytes of device state behind the RAM
-    saving: float = 0.0              # seconds the device state took to save
+    saving: float = 0.0              # seconds from the device state's save to its end
     generation: Generation | None = None   # the dirty bitmap that started in the pause
     frozen: str | None = None   # the bitmap it froze, until read (if it is to be trusted)
-    disk_writes: int = -1       # with read_later: QEMU's count of the disk's writes, paused
+    disk_writes: int = -1       # with read_later: QEMU's count of the disk's writes at the stop
 
 class Machine:
     """The QEMU process of one VM, whether it runs or not (it outlives this
@@ -490,37 +490,54 @@ class Machine:
         pause can trust what this one starts to track. ``seconds`` is set
         once the VM runs again.
 
-        ``read_later``: the pause only freezes the old bitmap, and
-        ``written`` is read by :meth:`read_written` once the VM runs again
-        (what it says is still what was written up to the pause);
-        ``disk_writes`` is QEMU's count of the disk's writes in the pause,
-        by which the caller can tell whether the disk still holds what it
-        held then.
+        ``read_later`` (for a guest that is not to write its disk, its
+        filesystem frozen): the old bitmap is frozen just before the stop,
+        and ``written`` is read by :meth:`read_written` once the VM runs
+        again; ``disk_writes`` is QEMU's count of the disk's writes taken
+        before that, by which the caller tells whether the disk still holds
+        what the bitmap says: a write after the count moves it.
 
-        With ``memory`` (a QEMU whose RAM is the memory image), the device
-        state is saved behind the RAM first and ``pause.memory`` names the
-        image: captured within the block, with the disk, it is a checkpoint
-        of the whole VM.
+        With ``memory`` (a QEMU whose RAM is the memory image), QEMU saves
+        the device state while the block runs, in a thread of its own (it
+        leaves the RAM as it is: ``tests/test_vm_memory.py`` checks), and
+        ``pause.memory`` names the image. Its RAM captured within the
+        block, and its device-state area (:attr:`device_state_area`, written
+        once the VM runs again, after the block) captured then, with the
+        disk, it is a checkpoint of the whole VM.
         """
         with self.qmp() as q:
+            pause = Pause()
+            if read_later:
+                # The caller compares the count with its own after the pause
+                # anyway, so count and swap need not be in it: a write from
+                # here to the stop moves the count.
+                pause.disk_writes = self.disk_writes()
+                pause.generation, pause.frozen = self._next_generation(mark)
             self.pause()
             stopped = time.monotonic()
-            pause = Pause()
+            saving = state = None
             try:
-                pause.generation, pause.frozen = self._next_generation(mark)
-                if read_later:
-                    pause.disk_writes = self.disk_writes()
-                else:
+                if not read_later:
+                    pause.generation, pause.frozen = self._next_generation(mark)
                     self.read_written(pause, drop=False)
                 if memory:
-                    saving = time.monotonic()
-                    pause.device_state = self._save_device_state(q)
+                    started = time.monotonic()
+                    saving = self._start_saving_device_state(q)
                     pause.memory = self.memory_image
-                    pause.saving = time.monotonic() - saving
                 yield pause
+                if saving is not None:
+                    fd, saving = saving, None
+                    state = self._saved_device_state(q, fd)
+                    pause.device_state = len(state)
+                    pause.saving = time.monotonic() - started
             finally:
+                if saving is not None:   # the block failed; QEMU is to be done before cont
+                    with contextlib.suppress(VMError):
+                        self._saved_device_state(q, saving)
                 self.resume()
                 pause.seconds = time.monotonic() - stopped
+            if state is not None:
+                self._write_device_state(state)
             if not read_later:
                 self._drop_old_bitmaps(pause)
 
@@ -586,26 +603,52 @@ class Machine:
             return new, None
         return new, old.bitmap
 
-    def _save_device_state(self, q: QMP) -> int:
-        """With the VM paused: QEMU's migration stream, which with
-        ``x-ignore-shared`` holds no RAM, into the device-state area of the
-        memory image (cleared first); returns its length."""
-        fd = os.open(self.memory_image, os.O_RDWR | os.O_CLOEXEC)
+    @property
+    def device_state_area(self) -> Written:
+        """``(offsets, lengths)`` of the memory image's device-state area."""
+        return (np.array([self.ram_bytes], np.uint64), np.array([DEVICE_STATE_AREA], np.uint64))
+
+    def _start_saving_device_state(self, q: QMP) -> int:
+        """With the VM paused: have QEMU start to save its migration stream,
+        which with ``x-ignore-shared`` holds no RAM, into a file in memory
+        (on the memory image, its writeback would be in the pause; the
+        device-state area is written once the VM runs, QEMU never maps it).
+        Returns that file's descriptor, for :meth:`_saved_device_state`."""
+        fd = os.memfd_create(DEVICE_STATE_FD, os.MFD_CLOEXEC)
         try:
-            native.zero_ranges(fd, np.array([self.ram_bytes], np.uint64),
-                               np.array([DEVICE_STATE_AREA], np.uint64), self.memory_image)
-            os.lseek(fd, self.ram_bytes, os.SEEK_SET)
             q.pass_fd(DEVICE_STATE_FD, fd)
             q.command("migrate", uri=f"fd:{DEVICE_STATE_FD}")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _saved_device_state(self, q: QMP, fd: int) -> bytes:
+        """The device state :meth:`_start_saving_device_state` is saving
+        into ``fd``, once QEMU is done; the descriptor is closed."""
+        try:
             wait_for_migration(q, 60.0, "saving the device state")
             # QEMU wrote through a duplicate of this descriptor: one offset.
-            length = os.lseek(fd, 0, os.SEEK_CUR) - self.ram_bytes
+            length = os.lseek(fd, 0, os.SEEK_CUR)
+            if length > DEVICE_STATE_AREA:
+                raise VMError(f"the device state of VM {self.vm.name} ({length} bytes) does "
+                              f"not fit the {DEVICE_STATE_AREA} bytes kept for it behind "
+                              f"its RAM")
+            return os.pread(fd, length, 0)
         finally:
             os.close(fd)
-        if length > DEVICE_STATE_AREA:
-            raise VMError(f"the device state of VM {self.vm.name} ({length} bytes) does not fit "
-                          f"the {DEVICE_STATE_AREA} bytes kept for it behind its RAM")
-        return length
+
+    def _write_device_state(self, state: bytes) -> None:
+        """The device state into the memory image's device-state area, the
+        rest of the area cleared (see :attr:`device_state_area`)."""
+        fd = os.open(self.memory_image, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            native.zero_ranges(fd, *self.device_state_area, self.memory_image)
+            done = 0
+            while done < len(state):
+                done += os.pwrite(fd, state[done:], self.ram_bytes + done)
+        finally:
+            os.close(fd)
 
     def disk_writes(self) -> int:
         """Write, write-zeroes and discard requests QEMU has served on the

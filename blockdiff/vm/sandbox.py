@@ -400,14 +400,15 @@ class Sandbox:
         ``Store.capturing``), cloning it into staged layers;
         the captures are committed once it runs again.
 
-        A whole-VM checkpoint captures the memory image (RAM, then the device
-        state behind it) first while the VM still runs, its processes frozen
-        (which writes back the RAM the step dirtied), and in the pause only
-        what changed since, with the device state just saved. It captures the
-        disk after the pause (unless ``disk_in_pause``): the guest's
-        filesystem and processes are frozen, so its disk holds still, which
-        QEMU's count of the disk's writes confirms. Should the count have
-        moved, both are captured again, the disk in the pause.
+        A whole-VM checkpoint captures the memory image first while the VM
+        still runs, its processes frozen (which writes back the RAM the step
+        dirtied), and in the pause only what the RAM changed since, while
+        QEMU saves the device state; the device state goes into the memory
+        image behind the RAM once the VM runs again, and is captured then.
+        It captures the disk after the pause (unless ``disk_in_pause``): the
+        guest's filesystem and processes are frozen, so its disk holds
+        still, which QEMU's count of the disk's writes confirms. Should the
+        count have moved, both are captured again, the disk in the pause.
 
         The disk snapshot is committed first, naming the memory snapshot to
         come, and the memory borrows from its layer the pages of the guest's
@@ -430,6 +431,8 @@ class Sandbox:
                 if disk_in_pause:
                     disk_capture = captures.enter_context(
                         self.store.capturing(self.disk, written=pause.written))
+            if memory:
+                memory_capture.take_more(within=self.machine.device_state_area)
             if not disk_in_pause:
                 disk_capture = captures.enter_context(self.store.capturing(
                     self.disk, written=self.machine.read_written(pause)))
