@@ -108,7 +108,7 @@ class Pause:
     saving: float = 0.0              # seconds from the device state's save to its end
     generation: Generation | None = None   # the dirty bitmap that started in the pause
     frozen: str | None = None   # the bitmap it froze, until read (if it is to be trusted)
-    disk_writes: int = -1       # with read_later: QEMU's count of the disk's writes, before the stop
+    disk_writes: int = -1       # with read_later: QEMU's count of disk writes before the stop
 
 class Machine:
     """The QEMU process of one VM, whether it runs or not (it outlives this
