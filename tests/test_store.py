@@ -468,6 +468,48 @@ def test_retention_policy_is_a_pure_function(case):
     assert set(reasons) == {s.id for s in snaps}
 
 
+def test_retention_keeps_and_removes_parts_with_their_owners():
+    # A part (meta part-of) takes no place among the last N or the window:
+    # it follows the snapshot it belongs to, through parts of parts, unless
+    # its own TTL ran out; a part whose owner is not there counts alone.
+    from types import SimpleNamespace
+
+    from blockdiff.store.retention import PART_OF, Policy, apply_policy
+
+    def snap(sid, created, part_of=None, expires=None):
+        return SimpleNamespace(id=sid, created=created, expires=expires,
+                               meta={PART_OF: part_of} if part_of else {})
+
+    snaps = [snap("a", 100), snap("a.mem", 101, "a"), snap("b", 200),
+             snap("b.mem", 201, "b"), snap("b.mem.more", 202, "b.mem"),
+             snap("c", 300), snap("c.mem", 301, "c", expires=500),
+             snap("stray", 50, "gone"), snap("loop1", 40, "loop2"), snap("loop2", 41, "loop1")]
+    keep, remove, reasons = apply_policy(snaps, Policy(keep_last=2), now=1000)
+    assert {s.id for s in keep} == {"b", "b.mem", "b.mem.more", "c"}
+    assert {s.id for s in remove} == {"a", "a.mem", "c.mem", "stray", "loop1", "loop2"}
+    assert reasons["b.mem.more"] == "a part of b" and reasons["c.mem"] == "expired"
+    assert reasons["a.mem"] == "a part of a, which goes"
+    # Without the parts, the same snapshots would have taken the places.
+    keep, _, _ = apply_policy(snaps, Policy(keep_last=4), now=1000)
+    assert {s.id for s in keep} == {"a", "a.mem", "b", "b.mem", "b.mem.more", "c", "stray"}
+
+
+def test_rm_removes_the_parts_of_a_snapshot_with_it(store, xfs):
+    image, snaps, digests = _line(store, xfs, 3)
+    memory = xfs / "memory.img"
+    make_base_image(memory, SIZE, 7)
+    part = store.commit(memory, message="part", meta={"part-of": snaps[1].id})
+    other = store.commit(memory, message="part of another", meta={"part-of": snaps[2].id})
+    removed = store.rm(snaps[1].id)
+    assert removed.removed == [part.id, snaps[1].id]
+    assert removed.reasons[part.id] == f"a part of {snaps[1].id}"
+    assert {s.id for s in store.log()} == {snaps[0].id, snaps[2].id, other.id}
+    assert store.rm(other.id).removed == [other.id]   # a part alone: only itself
+    store.restore(snaps[2].id, xfs / "check.img")
+    assert digest(xfs / "check.img") == digests[2]
+    assert store.verify() == {}
+
+
 # ------------------------------------------------------------ export/import
 
 

@@ -20,6 +20,7 @@ import pytest
 import test_vm
 
 from blockdiff.errors import Damaged, VMError
+from blockdiff.store.retention import Policy
 from blockdiff.vm import machine as machine_module
 from blockdiff.vm import qemu
 from blockdiff.vm.sandbox import MEMORY_KEY, Sandbox
@@ -273,6 +274,30 @@ def test_saving_the_device_state_leaves_guest_ram_as_it_is(store, box):
                 machine.resume()
         assert len(state) > 100_000
         assert before == after, k
+
+
+def test_gc_and_rm_take_a_checkpoint_with_its_memory(store, box):
+    # A checkpoint is its disk snapshot; its memory snapshot (and the memory
+    # base, of the disk snapshot the VM booted from) are parts of it, which
+    # take no place of their own in gc's "last N" and go with it.
+    pid = int(run(box, COUNTER))
+    checkpoints = []
+    for k in range(3):
+        run(box, f"echo {k} > /root/k")
+        checkpoints.append(box.checkpoint(f"step {k}"))
+    memory = {c: store.get(c).meta[MEMORY_KEY] for c in checkpoints}
+    assert all(store.get(m).meta["part-of"] == c for c, m in memory.items())
+    base = [s for s in store.log() if s.meta.get("vm.part") == "memory-base"]
+    assert len(base) == 1 and base[0].meta["part-of"] not in checkpoints
+    store.gc(Policy(keep_last=2))
+    assert {s.id for s in store.log()} == {c for c in checkpoints[1:]} | {
+        memory[c] for c in checkpoints[1:]}
+    box.restore(checkpoints[1])
+    assert box.last_restore.memory and alive(box, pid) and run(box, "cat /root/k") == "1\n"
+    assert store.rm(checkpoints[1]).removed == [memory[checkpoints[1]], checkpoints[1]]
+    box.restore(checkpoints[2])
+    assert box.last_restore.memory and alive(box, pid) and run(box, "cat /root/k") == "2\n"
+    assert store.verify() == {}
 
 
 def test_ram_stored_per_small_step_is_a_few_mib(store, box):

@@ -133,9 +133,10 @@ def remove_disk_snapshot(store: Store, snapshot_id: str) -> None:
     to it: a whole-VM checkpoint's memory snapshot, which nothing else
     names. ``UnknownSnapshot`` if the disk snapshot is gone already."""
     snap = store.get(snapshot_id)
-    store.rm(snap.id)
+    store.rm(snap.id)   # with its parts: the memory snapshot is one
     memory = (snap.meta or {}).get(MEMORY_KEY)
     if memory:
+        # A memory snapshot committed before they were parts is not one.
         with contextlib.suppress(UnknownSnapshot):
             store.rm(memory)
 

@@ -233,7 +233,8 @@ def diff_command(store_path, a, b, as_json):
 @click.argument("snapshot_id", metavar="ID")
 @json_option
 def rm(store_path, snapshot_id, as_json):
-    """Delete snapshot ID; its descendants stay restorable.
+    """Delete snapshot ID, with the snapshots that are parts of it (a VM
+    checkpoint's memory); its descendants stay restorable.
 
     \b
     Example:
@@ -243,7 +244,9 @@ def rm(store_path, snapshot_id, as_json):
         result = store.rm(snapshot_id)
     if as_json:
         return emit_json(_removal_dict(result, dry_run=False))
-    click.echo(f"removed {result.removed[0]}; its files held {human_size(result.bytes_freed)} "
+    *parts, asked = result.removed   # the parts of the snapshot asked for go first
+    what = f"{asked} with its part(s) {', '.join(parts)}; their" if parts else f"{asked}; its"
+    click.echo(f"removed {what} files held {human_size(result.bytes_freed)} "
                f"(blocks an image still shares stay in use)")
 
 
@@ -261,7 +264,9 @@ def gc(store_path, keep_last, keep_within, cache_size, dry_run, as_json):
     """Remove expired snapshots and those the policy does not keep.
 
     Without --keep-last or --keep-within only expired snapshots (TTL) go.
-    Files left by interrupted operations are swept too.
+    A snapshot that is a part of another (a VM checkpoint's memory) takes no
+    place of its own and goes with it. Files left by interrupted operations
+    are swept too.
 
     \b
     Example:

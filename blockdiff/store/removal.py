@@ -18,7 +18,7 @@ from blockdiff.store.catalog import Catalog, Snapshot
 from blockdiff.store.ids import layer_number
 from blockdiff.store.objects import layer_name, unlink
 from blockdiff.store.replication import forget_objects
-from blockdiff.store.retention import apply_policy
+from blockdiff.store.retention import apply_policy, owner_of
 from blockdiff.store.state import StoreState
 from blockdiff.store.views import sweep_views
 
@@ -46,7 +46,11 @@ def refuse_lost_references(catalog: Catalog, root: Path, db=None) -> None:
 def rm(store: StoreState, snapshot_id: str) -> Removal:
     """See ``Store.rm``."""
     snap = store.get(snapshot_id)
-    result = remove(store, [snap], {snap.id: "asked"})
+    # The parts first: should this stop half-way, what is left is the
+    # snapshot asked for, which the same rm removes.
+    parts = [s for s in store.catalog.all() if owner_of(s) == snap.id]
+    result = remove(store, [*parts, snap],
+                    {s.id: f"a part of {snap.id}" for s in parts} | {snap.id: "asked"})
     store.keep_reserve()
     return result
 

@@ -524,7 +524,9 @@ class Store(StoreState):
         return snap
 
     def rm(self, snapshot_id: str) -> Removal:
-        """Delete one snapshot; its descendants stay restorable byte for byte."""
+        """Delete one snapshot, and the snapshots that are parts of it (see
+        ``blockdiff.store.retention``); its descendants stay restorable byte
+        for byte."""
         result = removal.rm(self, snapshot_id)
         if self.shared is not None:
             self._pushed_after(None)     # the maps rewritten whole, if any

@@ -46,6 +46,7 @@ from blockdiff.engine.files import copy_file
 from blockdiff.errors import GuestError, StoreError, UnknownSnapshot, UsageError, VMError
 from blockdiff.progress import NO_PROGRESS, Progress
 from blockdiff.store.catalog import Snapshot
+from blockdiff.store.retention import PART_OF
 from blockdiff.store.store import Store, as_store
 from blockdiff.vm.guestlink import THAW, ExecResult, GuestLink
 from blockdiff.vm.machine import DEFAULT_BOOT_TIMEOUT, Machine
@@ -289,10 +290,14 @@ class Sandbox:
         with self.machine.qmp():
             self.machine.pause()
             try:
+                # A part of the disk snapshot the VM booted from: gc keeps
+                # it while that one stays, rm removes it with that one.
+                booted_from = self.store.lineage(self.disk)[0]
+                owner = {PART_OF: booted_from} if booted_from else {}
                 self.store.commit(self.machine.memory_image,
                                   message=f"memory of VM {self.name} after its boot",
                                   meta={"vm": self.name, "vm.kernel": self.config["kernel"],
-                                        PART_KEY: "memory-base"})
+                                        PART_KEY: "memory-base"} | owner)
             finally:
                 self.machine.resume()
 
@@ -450,7 +455,8 @@ class Sandbox:
             if memory_capture is not None:
                 memory_snap = memory_capture.finish(
                     message=f"memory: {message}" if message else "memory",
-                    meta=self._memory_meta(pause), ttl=ttl, borrow_from=snap)
+                    meta=self._memory_meta(pause) | {PART_OF: snap.id}, ttl=ttl,
+                    borrow_from=snap)
         # The bitmap that started in the pause started with the disk being
         # this snapshot.
         self.machine.trust_tracking(pause, self.store.lineage_mark(self.disk))
