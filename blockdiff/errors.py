@@ -128,6 +128,11 @@ class GuestTimeout(GuestError):
     """The guest daemon did not answer in time."""
 
 
+class DiskUsedEarly(VMError):
+    """A guest resuming from a checkpoint used its disk while the disk was
+    still being restored beside the resume (which then restores it first)."""
+
+
 class NBDError(VMError):
     """An NBD server refused a request or broke the protocol."""
 

@@ -208,6 +208,36 @@ def test_a_disk_written_after_the_pause_is_captured_again_in_one(store, box, mon
     assert run(box, "cat /one") == "one\n" and box.exec("test -e /later").status == 1
 
 
+def test_a_guest_using_its_disk_before_it_is_restored_is_restored_again(
+        store, box, monkeypatch):
+    # An in-place restore puts the disk in place while QEMU loads the device
+    # state and starts the guest's CPUs: the guest, frozen since the
+    # checkpoint, uses its disk only once resumed. Should QEMU count a
+    # request on it before the disk is in place, that QEMU is killed and
+    # both images are restored first (the disk mapped whole).
+    pid, digest = running_step(box)
+    run(box, "echo one > /one")
+    checkpoint = box.checkpoint("one")
+    run(box, "echo two > /one && echo later > /later")
+    seen = []
+    real = machine_module.Machine._disk_stats
+
+    def stats(self):
+        counts = real(self)
+        seen.append(dict(counts))
+        if len(seen) == 1:
+            counts["rd_operations"] = counts.get("rd_operations", 0) + 1
+        return counts
+
+    monkeypatch.setattr(machine_module.Machine, "_disk_stats", stats)
+    timing = box.restore(checkpoint)
+    monkeypatch.undo()
+    assert timing.memory and len(seen) == 1   # the second launch restored first
+    assert alive(box, pid) and payload_hash(box) == digest
+    assert run(box, "cat /one") == "one\n" and box.exec("test -e /later").status == 1
+    assert store.verify() == {}
+
+
 def test_a_restore_failing_while_qemu_starts_leaves_no_qemu(store, box, monkeypatch):
     # QEMU starts while the disk and the memory image are restored in place;
     # should the memory image's restore fail once QEMU runs, that QEMU is

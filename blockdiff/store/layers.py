@@ -261,12 +261,12 @@ class Layers:
         """Refuse (``Damaged``) to hand back pieces whose data fails its
         checksum. ``whole``: the pieces are a whole image (a fork, an export):
         layers vouched for are trusted, others are read whole and vouched for
-        when they pass, a phase of ``progress``. Otherwise only the chunks
-        holding the pieces are read. Returns the bytes read."""
+        when they pass, a phase of ``progress``. Otherwise layers vouched for
+        are trusted too, and of the others only the chunks holding the
+        pieces are read. Returns the bytes read."""
         read = 0
-        groups = list(by_layer(pieces))
+        groups = [(layer, sel) for layer, sel in by_layer(pieces) if not self.vouched(layer)]
         if whole:
-            groups = [(layer, sel) for layer, sel in groups if not self.vouched(layer)]
             progress.start(self.whole_bytes(layer for layer, _ in groups), "B",
                            "checking layers")
         for layer, sel in groups:

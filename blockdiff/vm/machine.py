@@ -61,7 +61,7 @@ from pathlib import Path
 import numpy as np
 
 from blockdiff import native
-from blockdiff.errors import BlockdiffError, GuestError, GuestTimeout, VMError
+from blockdiff.errors import BlockdiffError, DiskUsedEarly, GuestTimeout, VMError
 from blockdiff.progress import NO_PROGRESS, Progress, Steps
 from blockdiff.vm.guestlink import MEMORY_CHECKPOINT_VERSION, GuestLink, connect_unix
 from blockdiff.vm.nbd import dirty_ranges
@@ -203,7 +203,7 @@ class Machine:
     def launch(self, timeout: float = DEFAULT_BOOT_TIMEOUT,
                progress: Progress = NO_PROGRESS, *, memory: bool = False,
                incoming: bool = False, mark: str | None = None,
-               meanwhile=None, hot=None) -> None:
+               meanwhile=None, disk_meanwhile=None, hot=None) -> None:
         """Start QEMU, wait until the guest daemon answers, and start tracking
         the guest's disk writes, each a phase of ``progress``. If the guest
         does not come up in time, or QEMU exits, QEMU is killed and the
@@ -226,11 +226,21 @@ class Machine:
         device state is loaded, as in a migration over shared storage.
         Should it raise, QEMU is killed.
 
-        ``hot`` (with ``incoming``, without ``meanwhile``): ``(offsets,
-        lengths)`` of the memory image that the guest is likely to write
-        soon, whose page cache is warmed before the guest runs; the rest of
-        that new file is warmed while it runs. Restored in place, the image
-        is warmed whole before."""
+        ``disk_meanwhile`` (with ``meanwhile``, which then puts only the
+        memory image in place): called in a thread of its own once
+        ``meanwhile`` returned, while the device state loads and the guest's
+        CPUs start, to put the disk in place and return its lineage mark.
+        The guest is resumed (its filesystem and processes, frozen since the
+        checkpoint, let go) only once it returned; until then it does not
+        use its disk, which QEMU's count of the disk's requests (none since
+        it started) confirms, else :class:`DiskUsedEarly` once QEMU is
+        killed. Should it raise, QEMU is killed.
+
+        ``hot`` (with ``incoming``): ``(offsets, lengths)`` of the memory
+        image that the guest is likely to write soon, whose page cache is
+        warmed before the guest runs; the rest of that new file is warmed
+        while it runs. Without it, an image restored in place is warmed
+        whole before (its page cache is mostly there)."""
         name = self.vm.name
         if self.running:
             raise VMError(f"VM {name} is already running")
@@ -256,23 +266,26 @@ class Machine:
             finally:
                 os.close(fd)
         (self.directory / CONSOLE_LOG).unlink(missing_ok=True)
-        warming = None
-        if meanwhile is None:
-            self._launch(accel, memory=memory, incoming=incoming).start()
-        else:
-            mark = self._start_meanwhile(self._launch(accel, memory=True, incoming=True),
-                                         meanwhile)
-            # Restored in place, the image kept its page cache but where the
-            # restore rewrote: warmed whole (quickly) while the device state
-            # loads, before the guest runs.
-            warming = _warm_in_background(self._sized_memory_image(fresh=False),
-                                          self.ram_bytes)
-        (self.directory / ACCEL_FILE).write_text(accel + "\n")
-        self.last_launch = {"qemu": time.monotonic() - began}
-        if incoming:
-            steps.begin("resuming from the checkpoint")
-            self._resume_incoming(timeout, mark, hot, warming)
-            return steps.end()
+        warming = disk = None
+        with ThreadPoolExecutor(2) as pool:
+            if meanwhile is None:
+                self._launch(accel, memory=memory, incoming=incoming).start()
+            else:
+                mark, disk = self._start_meanwhile(
+                    self._launch(accel, memory=True, incoming=True), meanwhile,
+                    disk_meanwhile, pool)
+                if hot is None:
+                    # Restored in place, the image kept its page cache but where
+                    # the restore rewrote: warmed whole (quickly) while the
+                    # device state loads, before the guest runs.
+                    warming = _warm_in_background(self._sized_memory_image(fresh=False),
+                                                  self.ram_bytes)
+            (self.directory / ACCEL_FILE).write_text(accel + "\n")
+            self.last_launch = {"qemu": time.monotonic() - began}
+            if incoming:
+                steps.begin("resuming from the checkpoint")
+                self._resume_incoming(timeout, mark, hot, warming, disk)
+                return steps.end()
         deadline = time.monotonic() + timeout
         steps.begin(f"booting: waiting for the guest daemon ({accel})")
         try:
@@ -295,20 +308,26 @@ class Machine:
                 set_ignore_shared(q)
             self.tracking.write(Generation(self.pid, start_dirty_tracking(q, fd)))
 
-    def _start_meanwhile(self, launch: Launch, meanwhile):
-        """Start QEMU in a thread while ``meanwhile()`` runs in this one;
-        returns what it returns."""
-        with ThreadPoolExecutor(1) as pool:
-            started = pool.submit(launch.start)
-            try:
-                result = meanwhile()
-            except BaseException:
-                with contextlib.suppress(VMError):
-                    started.result()
-                self.kill()
-                raise
+    def _start_meanwhile(self, launch: Launch, meanwhile, disk_meanwhile,
+                         pool: ThreadPoolExecutor):
+        """Start QEMU in a thread of ``pool`` while ``meanwhile()`` runs in
+        this one, then ``disk_meanwhile`` (if given) in another; returns
+        what ``meanwhile`` returns and the future of ``disk_meanwhile``."""
+        started = pool.submit(launch.start)
+        disk = None
+        try:
+            result = meanwhile()
+            if disk_meanwhile is not None:
+                disk = pool.submit(disk_meanwhile)
             started.result()
-        return result
+        except BaseException:
+            for future in (started, disk):
+                if future is not None:
+                    with contextlib.suppress(Exception):
+                        future.result()
+            self.kill()
+            raise
+        return result, disk
 
     def _sized_memory_image(self, fresh: bool) -> int:
         """An open descriptor of the memory image, at its size. A boot
@@ -331,10 +350,12 @@ class Machine:
         return fd
 
     def _resume_incoming(self, timeout: float, mark: str | None, hot,
-                         warming: threading.Thread | None) -> None:
+                         warming: threading.Thread | None, disk=None) -> None:
         """QEMU started with ``-incoming defer``: load the device state from
         the memory image, start dirty tracking, run the guest and have its
-        daemon fix the clock and the RNG and let its processes go."""
+        daemon fix the clock and the RNG and let its processes go; with
+        ``disk`` (the future of ``disk_meanwhile``, see :meth:`launch`), not
+        before the disk is in place and QEMU counts no request on it."""
         name = self.vm.name
         began = time.monotonic()
         try:
@@ -352,9 +373,9 @@ class Machine:
                 q.command("migrate-incoming", uri=f"fd:{DEVICE_STATE_FD}")
                 wait_for_migration(q, timeout, "loading the checkpoint's device state")
                 loaded = time.monotonic()
+                bitmap = None
                 with contextlib.suppress(VMError, OSError):
-                    self.tracking.write(Generation(self.pid, start_dirty_tracking(q, dir_fd),
-                                                   mark))
+                    bitmap = start_dirty_tracking(q, dir_fd)
                 tracked = time.monotonic()
                 if warming is not None:
                     warming.join()
@@ -368,6 +389,14 @@ class Machine:
                 warmed = time.monotonic()
                 q.command("cont")
                 running = time.monotonic()
+                if disk is not None:
+                    mark = self._disk_in_place(disk)
+                placed = time.monotonic()
+                if bitmap is not None:
+                    # Trusted from the disk's mark on: the guest writes only
+                    # once resumed, and the host's restore is not in the bitmap.
+                    with contextlib.suppress(OSError):
+                        self.tracking.write(Generation(self.pid, bitmap, mark))
                 link.resume(timeout=timeout)
             if warming is None:
                 # A new file (a fork's): the rest is warmed while the guest
@@ -383,14 +412,34 @@ class Machine:
             # A daemon that resumed knows memory checkpoints.
             (self.directory / GUESTD_VERSION).write_text(
                 f"blockdiff-guestd {MEMORY_CHECKPOINT_VERSION}\n")
-        except (VMError, GuestError) as e:
+        except BaseException as e:
             if warming is not None:
                 warming.join()
             self.kill()
-            raise VMError(f"VM {name} did not resume from its checkpoint: {e}") from None
+            if isinstance(e, VMError) and not isinstance(e, DiskUsedEarly):
+                raise VMError(f"VM {name} did not resume from its checkpoint: {e}") from None
+            raise   # the disk's own error (its restore failed), or DiskUsedEarly
+        finally:
+            if disk is not None:
+                with contextlib.suppress(Exception):
+                    disk.result()   # done before its files are touched again
         self.last_launch |= {"incoming": loaded - began, "tracking": tracked - loaded,
                              "warm": warmed - tracked, "cont": running - warmed,
-                             "guest": time.monotonic() - running}
+                             "disk-wait": placed - running,
+                             "guest": time.monotonic() - placed}
+
+    def _disk_in_place(self, disk) -> str | None:
+        """The disk's lineage mark once ``disk`` (see :meth:`launch`) put it
+        in place; :class:`DiskUsedEarly` if QEMU counts a request on the
+        disk by then (every request since it started: none is expected)."""
+        mark = disk.result()
+        stats = self._disk_stats()
+        used = sum(stats.get(k, 0) for k in ("rd_operations", "wr_operations",
+                                             "flush_operations", "unmap_operations"))
+        if used:
+            raise DiskUsedEarly(f"the guest of VM {self.vm.name} used its disk ({used} "
+                                f"requests) before it was restored")
+        return mark
 
     def shutdown(self, timeout: float = 20.0) -> None:
         """Power the guest off cleanly (its disk unmounted); QEMU is killed if
@@ -653,13 +702,20 @@ class Machine:
     def disk_writes(self) -> int:
         """Write, write-zeroes and discard requests QEMU has served on the
         disk since it started (-1 if it does not say)."""
+        stats = self._disk_stats()
+        if not stats:
+            return -1
+        return stats.get("wr_operations", 0) + stats.get("unmap_operations", 0)
+
+    def _disk_stats(self) -> dict:
+        """QEMU's counts of the requests it served on the disk since it
+        started (``query-blockstats``; empty if it does not say)."""
         with self.qmp() as q:
             devices = q.command("query-blockstats")
         for device in devices:
             if device.get("device") == "disk0" or device.get("qdev", "").startswith("disk0"):
-                st = device["stats"]
-                return st.get("wr_operations", 0) + st.get("unmap_operations", 0)
-        return -1
+                return device["stats"]
+        return {}
 
 
 def _wait_exit(pid: int, timeout: float) -> bool:

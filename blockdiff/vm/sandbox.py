@@ -43,7 +43,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blockdiff.engine.files import copy_file
-from blockdiff.errors import GuestError, StoreError, UnknownSnapshot, UsageError, VMError
+from blockdiff.errors import (
+    DiskUsedEarly,
+    GuestError,
+    StoreError,
+    UnknownSnapshot,
+    UsageError,
+    VMError,
+)
 from blockdiff.progress import NO_PROGRESS, Progress
 from blockdiff.store.catalog import Snapshot
 from blockdiff.store.retention import PART_OF
@@ -138,7 +145,7 @@ class Sandbox:
                image: str | os.PathLike | None = None, snapshot: str | None = None,
                kernel: str | os.PathLike | None = None, memory_mb: int = 256, cpus: int = 1,
                ephemeral: bool = False, memory: bool | None = None,
-               progress: Progress = NO_PROGRESS) -> "Sandbox":
+               progress: Progress = NO_PROGRESS, _disk_later: bool = False) -> "Sandbox":
         """A new, stopped VM whose disk is a copy of ``image`` (reflinked when
         it is on the store's filesystem; committed as the VM's root snapshot)
         or a fork of store snapshot ``snapshot``.
@@ -147,7 +154,9 @@ class Sandbox:
         the kernel the snapshot was taken with. ``memory``: checkpoints hold
         the VM's RAM and device state too (the default where the store is on
         a reflink filesystem). ``progress`` hears of the disk's bytes checked
-        (a fork) or checksummed (its first commit)."""
+        (a fork) or checksummed (its first commit). ``_disk_later``: the
+        disk of a fork is left empty at the snapshot's size, for the caller
+        to restore in place (a resume does, beside QEMU's start)."""
         store = as_store(store)
         check_name(name)
         if memory is None:
@@ -167,7 +176,10 @@ class Sandbox:
         kernel_key = registry.install_kernel(registry.kernel_source(kernel, image, snap))
 
         def write_disk(disk: Path) -> None:
-            if snap is not None:
+            if snap is not None and _disk_later:
+                with open(disk, "xb") as f:
+                    os.truncate(f.fileno(), snap.size)
+            elif snap is not None:
                 store.restore(snap.id, disk, progress=progress)
             else:
                 copy_file(Path(image), disk)
@@ -562,23 +574,33 @@ class Sandbox:
             return self.last_restore
 
     def _resume(self, snap: Snapshot, memory_snap: Snapshot, timeout: float, *,
-                start: bool = True, disk: bool = True, written=None) -> None:
+                start: bool = True, disk: bool = True, written=None,
+                fresh: bool = False) -> None:
         """With QEMU not running: the disk (unless it is the checkpoint's
         already: not ``disk``; ``written`` as for ``Store.restore``) and the
         memory image restored to the checkpoint, then (``start``) a QEMU
         resumed from them. Where both are restored in place at their sizes,
-        QEMU starts meanwhile. ``last_restore_phases`` says how long each
-        took."""
+        QEMU starts meanwhile. ``fresh``: both files are new and empty (a
+        fork's), so that the page cache of the memory image holds nothing.
+        ``last_restore_phases`` says how long each took."""
         phases = self.last_restore_phases = {}
 
-        def restore() -> str:
+        def restore_memory() -> None:
+            began = time.monotonic()
+            self.store.restore(memory_snap.id, self.machine.memory_image)
+            phases["memory"] = time.monotonic() - began
+
+        def restore_disk(written) -> str:
             began = time.monotonic()
             if disk:
                 self.store.restore(snap.id, self.disk, written=written)
-            disk_done = time.monotonic()
-            self.store.restore(memory_snap.id, self.machine.memory_image)
-            phases.update(disk=disk_done - began, memory=time.monotonic() - disk_done)
+            phases["disk"] = time.monotonic() - began
             return self.store.lineage_mark(self.disk)
+
+        def restore(written=written) -> str:
+            mark = restore_disk(written)
+            restore_memory()
+            return mark
 
         if not start:
             restore()
@@ -587,7 +609,18 @@ class Sandbox:
         in_place = (self._holds_size(self.disk, snap.size)
                     and self._holds_size(self.machine.memory_image, memory_snap.size))
         if in_place:
-            self.machine.launch(timeout, incoming=True, meanwhile=restore)
+            # The memory image while QEMU starts, the disk while it loads the
+            # device state and starts the guest's CPUs (the guest uses its
+            # disk only once resumed).
+            hot = self._hot_memory(memory_snap.id) if fresh else None
+            try:
+                self.machine.launch(timeout, incoming=True, meanwhile=restore_memory,
+                                    disk_meanwhile=lambda: restore_disk(written), hot=hot)
+            except DiskUsedEarly:
+                # Both again, first; what the guest wrote meanwhile is in no
+                # bitmap, so the disk is mapped whole.
+                self.machine.launch(timeout, incoming=True, hot=hot,
+                                    meanwhile=lambda: restore(written=None))
         else:
             self.machine.launch(timeout, incoming=True, mark=restore(),
                                 hot=self._hot_memory(memory_snap.id))
@@ -710,14 +743,19 @@ class Sandbox:
             recorded = recorded_machine(memory_snap)
             memory_mb = recorded.get("memory_mb", memory_mb)
             cpus = recorded.get("cpus", cpus)
+        # With memory, the disk and the memory image are made empty at their
+        # sizes, and filled in place as a restore fills them: the memory
+        # image while QEMU starts, the disk while it loads the device state.
         other = Sandbox.create(store, name, snapshot=snap.id, kernel=kernel,
                                memory_mb=memory_mb, cpus=cpus, memory=memory,
-                               progress=progress)
+                               progress=progress, _disk_later=memory_snap is not None)
         if memory_snap is not None:
             try:
                 other._check_machine(snap, memory_snap, other.machine)
+                with open(other.machine.memory_image, "xb") as f:
+                    os.truncate(f.fileno(), memory_snap.size)
                 with other._lock():
-                    other._resume(snap, memory_snap, timeout, start=start, disk=False)
+                    other._resume(snap, memory_snap, timeout, start=start, fresh=True)
             except BaseException:
                 other.destroy()
                 raise
