@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import statistics
 import time
 from pathlib import Path
@@ -106,6 +107,8 @@ def test_processes_and_their_memory_survive_restore_and_fork(store, box):
     try:
         assert fork.running and fork.last_restore is None
         assert alive(fork, pid) and payload_hash(fork) == digest
+        # Its guest RAM is its owner's alone, as the VM's own.
+        assert stat.S_IMODE(os.stat(fork.machine.memory_image).st_mode) == 0o600
         # Forks diverge: what one does the other does not see.
         run(fork, f"kill {pid}; echo fork > /side")
         run(box, "echo trunk > /side")

@@ -177,8 +177,7 @@ class Sandbox:
 
         def write_disk(disk: Path) -> None:
             if snap is not None and _disk_later:
-                with open(disk, "xb") as f:
-                    os.truncate(f.fileno(), snap.size)
+                _empty_file(disk, snap.size, 0o666)   # as a fork's, less the umask
             elif snap is not None:
                 store.restore(snap.id, disk, progress=progress)
             else:
@@ -752,8 +751,7 @@ class Sandbox:
         if memory_snap is not None:
             try:
                 other._check_machine(snap, memory_snap, other.machine)
-                with open(other.machine.memory_image, "xb") as f:
-                    os.truncate(f.fileno(), memory_snap.size)
+                _empty_file(other.machine.memory_image, memory_snap.size, 0o600)   # guest RAM
                 with other._lock():
                     other._resume(snap, memory_snap, timeout, start=start, fresh=True)
             except BaseException:
@@ -762,6 +760,15 @@ class Sandbox:
         elif start:
             other.start(timeout=timeout, progress=progress)
         return other
+
+
+def _empty_file(path: Path, size: int, mode: int) -> None:
+    """A new file of ``size`` bytes that holds none (sparse)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
 
 
 def recorded_machine(memory_snap: Snapshot) -> dict:
