@@ -670,7 +670,7 @@ def restore(store: StoreState, snapshot_id: str, image: str | os.PathLike, *,
         store.copy_mode or os.stat(image).st_dev != os.stat(store.objects).st_dev)
     if not exists or elsewhere:
         return _fork(store, snapshot_id, image, progress)
-    return _restore_in_place(store, snapshot_id, image, written)
+    return _restore_in_place(store, snapshot_id, image, written, progress)
 
 
 def _fork(store: StoreState, snapshot_id: str, image: str, progress: Progress) -> RestoreResult:
@@ -695,8 +695,11 @@ def _fork(store: StoreState, snapshot_id: str, image: str, progress: Progress) -
 
 
 def _restore_in_place(store: StoreState, snapshot_id: str, image: str,
-                      written: Written | None) -> RestoreResult:
-    """Rewrite only the ranges where ``image`` differs from the snapshot."""
+                      written: Written | None, progress: Progress) -> RestoreResult:
+    """Rewrite only the ranges where ``image`` differs from the snapshot. An
+    image of no snapshot (a new, empty one: a VM's fork filled in place) is
+    checked as a fork is, its layers whole unless vouched for, a phase of
+    ``progress``."""
     with image_locked(image, os.O_RDWR) as fd, store.lock.shared():
         snap = store.get(snapshot_id)
         smap = store.load_map(snap)
@@ -730,7 +733,8 @@ def _restore_in_place(store: StoreState, snapshot_id: str, image: str,
         # in and the rest, its zeros, punched; checked before anything is.
         pieces, (hole_start, hole_end) = pieces_within(smap.pieces, starts, ends)
         fetched = store.layers.ensure_local(np.unique(pieces.layer))
-        checked = store.layers.check_pieces(snap, pieces, whole=False)
+        checked = store.layers.check_pieces(snap, pieces, whole=known is None,
+                                            progress=progress)
         # Marked first: a crash half-way leaves an image commit refuses.
         set_lineage(fd, store.id, snap.id, "restoring")
         if not tracked:

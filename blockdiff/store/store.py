@@ -472,16 +472,18 @@ class Store(StoreState):
         from the snapshot are rewritten. A new path becomes a fork, built from
         the snapshot's layers. Either way the data handed back is checked
         against its checksums first (``Damaged``, and nothing written, if it
-        fails): in place, the chunks holding what is rewritten; for a fork,
-        every layer it uses that is not vouched for (see ``VOUCH_SECONDS``).
+        fails): every layer it uses that is not vouched for (see
+        ``VOUCH_SECONDS``), whole for a fork or an image of no snapshot, and
+        in place only the chunks holding what is rewritten.
 
         ``written`` is as for :meth:`commit`: every range written to the image
         since it was last committed or restored. With it, what differs is
         those ranges plus what differs between the two snapshots' maps, and
         the image is not mapped at all.
 
-        ``progress`` hears of the layer bytes a fork checks (an in-place
-        restore reads only the little it rewrites).
+        ``progress`` hears of the layer bytes a fork (or a restore into an
+        image of no snapshot) checks; an in-place restore reads only the
+        little it rewrites.
         """
         result = images.restore(self, snapshot_id, image, written=written, progress=progress)
         if result.fetched_bytes:

@@ -574,13 +574,14 @@ class Sandbox:
 
     def _resume(self, snap: Snapshot, memory_snap: Snapshot, timeout: float, *,
                 start: bool = True, disk: bool = True, written=None,
-                fresh: bool = False) -> None:
+                fresh: bool = False, progress: Progress = NO_PROGRESS) -> None:
         """With QEMU not running: the disk (unless it is the checkpoint's
         already: not ``disk``; ``written`` as for ``Store.restore``) and the
         memory image restored to the checkpoint, then (``start``) a QEMU
         resumed from them. Where both are restored in place at their sizes,
         QEMU starts meanwhile. ``fresh``: both files are new and empty (a
-        fork's), so that the page cache of the memory image holds nothing.
+        fork's), so that the page cache of the memory image holds nothing;
+        the check of the disk's layers goes to ``progress``.
         ``last_restore_phases`` says how long each took."""
         phases = self.last_restore_phases = {}
 
@@ -592,7 +593,7 @@ class Sandbox:
         def restore_disk(written) -> str:
             began = time.monotonic()
             if disk:
-                self.store.restore(snap.id, self.disk, written=written)
+                self.store.restore(snap.id, self.disk, written=written, progress=progress)
             phases["disk"] = time.monotonic() - began
             return self.store.lineage_mark(self.disk)
 
@@ -753,7 +754,8 @@ class Sandbox:
                 other._check_machine(snap, memory_snap, other.machine)
                 _empty_file(other.machine.memory_image, memory_snap.size, 0o600)   # guest RAM
                 with other._lock():
-                    other._resume(snap, memory_snap, timeout, start=start, fresh=True)
+                    other._resume(snap, memory_snap, timeout, start=start, fresh=True,
+                                  progress=progress)
             except BaseException:
                 other.destroy()
                 raise
