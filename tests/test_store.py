@@ -500,9 +500,10 @@ def test_rm_removes_the_parts_of_a_snapshot_with_it(store, xfs):
     make_base_image(memory, SIZE, 7)
     part = store.commit(memory, message="part", meta={"part-of": snaps[1].id})
     other = store.commit(memory, message="part of another", meta={"part-of": snaps[2].id})
+    deeper = store.commit(memory, message="a part of the part", meta={"part-of": part.id})
     removed = store.rm(snaps[1].id)
-    assert removed.removed == [part.id, snaps[1].id]
-    assert removed.reasons[part.id] == f"a part of {snaps[1].id}"
+    assert removed.removed == [deeper.id, part.id, snaps[1].id]
+    assert removed.reasons[deeper.id] == removed.reasons[part.id] == f"a part of {snaps[1].id}"
     assert {s.id for s in store.log()} == {snaps[0].id, snaps[2].id, other.id}
     assert store.rm(other.id).removed == [other.id]   # a part alone: only itself
     store.restore(snaps[2].id, xfs / "check.img")

@@ -46,9 +46,13 @@ def refuse_lost_references(catalog: Catalog, root: Path, db=None) -> None:
 def rm(store: StoreState, snapshot_id: str) -> Removal:
     """See ``Store.rm``."""
     snap = store.get(snapshot_id)
-    # The parts first: should this stop half-way, what is left is the
-    # snapshot asked for, which the same rm removes.
-    parts = [s for s in store.catalog.all() if owner_of(s) == snap.id]
+    # Its parts, and theirs, first (the deepest first): should this stop
+    # half-way, what is left is the snapshot asked for and parts it still
+    # owns, which the same rm removes.
+    snaps, family, parts = store.catalog.all(), {snap.id}, []
+    while more := [s for s in snaps if owner_of(s) in family and s.id not in family]:
+        family |= {s.id for s in more}
+        parts = more + parts
     result = remove(store, [*parts, snap],
                     {s.id: f"a part of {snap.id}" for s in parts} | {snap.id: "asked"})
     store.keep_reserve()

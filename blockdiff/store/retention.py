@@ -84,8 +84,8 @@ def apply_policy(snapshots, policy: Policy, now: float):
     by_id = {snap.id: snap for snap in snapshots}
     owner = {snap.id: _root_owner(snap, by_id) for snap in snapshots
              if owner_of(snap) is not None}
-    # A part without its owner (one imported first, an rm cut short) counts
-    # as a snapshot of its own.
+    # A part without its owner (one imported before it) counts as a
+    # snapshot of its own.
     owned = [snap for snap in snapshots if owner.get(snap.id) is not None]
     alone = [snap for snap in snapshots if owner.get(snap.id) is None]
     newest_first = sorted(alone, key=lambda s: (s.created, s.id), reverse=True)
