@@ -511,6 +511,44 @@ def test_rm_removes_the_parts_of_a_snapshot_with_it(store, xfs):
     assert store.verify() == {}
 
 
+def test_a_part_committed_beside_the_removal_of_its_owner_goes_with_it(store, xfs,
+                                                                     monkeypatch):
+    # A part committed once rm has listed the parts (before the owner's row
+    # goes) is found after it and removed; one committed after the owner's
+    # row went is refused, as a capture whose parent went is.
+    from blockdiff.store import removal
+
+    image, snaps, digests = _line(store, xfs, 3)
+    memory = xfs / "memory.img"
+    make_base_image(memory, SIZE, 7)
+    early = store.commit(memory, message="early part", meta={"part-of": snaps[1].id})
+    late = []
+    real_remove = removal.remove
+
+    def remove(st, doomed, reasons):
+        if not late:   # rm has listed the parts: one more comes now
+            write_blocks(memory, 3, seed=11)
+            late.append(store.commit(memory, message="late part",
+                                     meta={"part-of": snaps[1].id}))
+        return real_remove(st, doomed, reasons)
+
+    monkeypatch.setattr(removal, "remove", remove)
+    result = store.rm(snaps[1].id)
+    monkeypatch.undo()
+    assert set(result.removed) == {early.id, late[0].id, snaps[1].id}
+    assert result.removed[-1] == snaps[1].id
+    assert result.reasons[late[0].id] == f"a part of {snaps[1].id}"
+    assert {s.id for s in store.log()} == {snaps[0].id, snaps[2].id}
+    write_blocks(memory, 3, seed=12)
+    with store.capturing(memory) as capture:
+        with pytest.raises(StoreError, match="removed meanwhile"):
+            capture.finish(message="too late", meta={"part-of": snaps[1].id})
+    store.restore(snaps[2].id, xfs / "check.img")
+    assert digest(xfs / "check.img") == digests[2]
+    assert store.verify() == {}
+    assert list((store.root / "staging").iterdir()) == []
+
+
 # ------------------------------------------------------------ export/import
 
 

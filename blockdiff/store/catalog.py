@@ -323,13 +323,15 @@ class Catalog:
         return [_row(r) for r in rows]
 
     def add(self, db, snapshot: Snapshot, layers, new_layer: LayerRecord | None = None,
-            lenders: tuple[str, ...] = ()) -> int:
+            needed: tuple[str, ...] = ()) -> int:
         """Insert a snapshot, the layers its pieces use and the record of the
         layer it wrote, inside an open transaction; returns its seq.
-        ``lenders``: snapshots into whose own layers its pieces point as
-        well; they must still be there (ConstraintFailed), since a removal
-        committed first dropped the record of a layer only they used, and
-        deletes its file once the capture lets go of the store."""
+        ``needed``: snapshots that must still be there (ConstraintFailed),
+        as its parent must: those into whose own layers its pieces point as
+        well (a removal committed first dropped the record of a layer only
+        they used, and deletes its file once the capture lets go of the
+        store), and the one it is a part of (whose removal took its parts
+        then)."""
         def seq_of(snapshot_id):
             if snapshot_id is None:
                 return None
@@ -338,8 +340,8 @@ class Catalog:
                 raise ConstraintFailed(f"snapshot {snapshot_id} was removed meanwhile")
             return row[0]
 
-        for lender in lenders:
-            seq_of(lender)
+        for snapshot_id in needed:
+            seq_of(snapshot_id)
         if new_layer is not None:
             self.add_layer(db, new_layer, placed=snapshot.created)
         layers = sorted({int(layer) for layer in layers})

@@ -43,7 +43,7 @@ from blockdiff.store.ids import layer_number, new_id
 from blockdiff.store.layers import chunk_record, file_identity
 from blockdiff.store.lineage import image_locked, set_lineage
 from blockdiff.store.maps import MAP_CHAIN, SnapshotMap, delta_on, encode_map
-from blockdiff.store.retention import check_duration
+from blockdiff.store.retention import check_duration, owner_of
 from blockdiff.store.state import StoreState
 from blockdiff.store.views import host_extents, record_view
 
@@ -317,10 +317,13 @@ class Capture:
                                      or store.catalog.layer(layer) is not None):
                         raise StoreError(f"snapshot {snap_id} was in this store before; "
                                          f"it cannot come back under the same id")
+                    # An import may come before its owner (the link is by id).
+                    owner = None if imported else owner_of(snap)
                     snap.seq = store.catalog.add(
                         db, snap, np.unique(pieces.layer), self.record,
-                        lenders=(borrow_from.id,) if self.lent is not None else ())
-            except ConstraintFailed as e:   # the parent or the lender was removed meanwhile
+                        needed=((borrow_from.id,) if self.lent is not None else ())
+                        + ((owner,) if owner else ()))
+            except ConstraintFailed as e:   # its parent, lender or owner was removed meanwhile
                 raise StoreError(f"cannot commit {self.image}: {e}; commit it again") from None
         except BaseException:
             with contextlib.suppress(FileNotFoundError):

@@ -48,15 +48,29 @@ def rm(store: StoreState, snapshot_id: str) -> Removal:
     snap = store.get(snapshot_id)
     # Its parts, and theirs, first (the deepest first): should this stop
     # half-way, what is left is the snapshot asked for and parts it still
-    # owns, which the same rm removes.
-    snaps, family, parts = store.catalog.all(), {snap.id}, []
+    # owns, which the same rm removes. A part committed meanwhile is found
+    # once it is gone; after that, none can be (Catalog.add refuses).
+    parts = _parts_of(store.catalog.all(), {snap.id})
+    result = remove(store, [*parts, snap],
+                    {s.id: f"a part of {snap.id}" for s in parts} | {snap.id: "asked"})
+    family = {snap.id} | {s.id for s in parts}
+    while late := _parts_of(store.catalog.all(), family):
+        more = remove(store, late, {s.id: f"a part of {snap.id}" for s in late})
+        family |= {s.id for s in late}
+        result = Removal([*more.removed, *result.removed], result.bytes_freed
+                         + more.bytes_freed, result.reasons | more.reasons)
+    store.keep_reserve()
+    return result
+
+
+def _parts_of(snaps: list[Snapshot], family: set[str]) -> list[Snapshot]:
+    """The snapshots that are parts of those of ``family``, or parts of
+    those, the deepest first."""
+    family, parts = set(family), []
     while more := [s for s in snaps if owner_of(s) in family and s.id not in family]:
         family |= {s.id for s in more}
         parts = more + parts
-    result = remove(store, [*parts, snap],
-                    {s.id: f"a part of {snap.id}" for s in parts} | {snap.id: "asked"})
-    store.keep_reserve()
-    return result
+    return parts
 
 
 def remove(store: StoreState, snaps: list[Snapshot], reasons: dict) -> Removal:
