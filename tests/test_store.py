@@ -549,6 +549,32 @@ def test_a_part_committed_beside_the_removal_of_its_owner_goes_with_it(store, xf
     assert list((store.root / "staging").iterdir()) == []
 
 
+def test_a_part_committed_beside_a_gc_that_removes_its_owner_goes_too(store, xfs,
+                                                                      monkeypatch):
+    from blockdiff.store import removal
+    from blockdiff.store.retention import Policy
+
+    image, snaps, digests = _line(store, xfs, 3)
+    memory = xfs / "memory.img"
+    make_base_image(memory, SIZE, 7)
+    late = []
+    real_remove = removal.remove
+
+    def remove(st, doomed, reasons):
+        if not late:   # gc has decided: a part of a doomed snapshot comes now
+            late.append(store.commit(memory, message="late part",
+                                     meta={"part-of": snaps[0].id}))
+        return real_remove(st, doomed, reasons)
+
+    monkeypatch.setattr(removal, "remove", remove)
+    result = store.gc(Policy(keep_last=2))
+    monkeypatch.undo()
+    assert set(result.removed) == {snaps[0].id, late[0].id}
+    assert result.reasons[late[0].id] == f"a part of {snaps[0].id}, which went"
+    assert {s.id for s in store.log()} == {snaps[1].id, snaps[2].id}
+    assert store.verify() == {}
+
+
 # ------------------------------------------------------------ export/import
 
 

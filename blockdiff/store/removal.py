@@ -53,13 +53,20 @@ def rm(store: StoreState, snapshot_id: str) -> Removal:
     parts = _parts_of(store.catalog.all(), {snap.id})
     result = remove(store, [*parts, snap],
                     {s.id: f"a part of {snap.id}" for s in parts} | {snap.id: "asked"})
-    family = {snap.id} | {s.id for s in parts}
+    result = _with_late_parts(store, result, lambda part: f"a part of {snap.id}")
+    store.keep_reserve()
+    return result
+
+
+def _with_late_parts(store: StoreState, result: Removal, reason) -> Removal:
+    """``result`` and the removal of the parts of what it removed that were
+    committed meanwhile (listed first); ``reason(part)`` says why each goes."""
+    family = set(result.removed)
     while late := _parts_of(store.catalog.all(), family):
-        more = remove(store, late, {s.id: f"a part of {snap.id}" for s in late})
-        family |= {s.id for s in late}
+        more = remove(store, late, {s.id: reason(s) for s in late})
+        family |= set(more.removed)
         result = Removal([*more.removed, *result.removed], result.bytes_freed
                          + more.bytes_freed, result.reasons | more.reasons)
-    store.keep_reserve()
     return result
 
 
@@ -113,6 +120,8 @@ def gc(store: StoreState, policy, *, now: float | None = None, dry_run: bool = F
     if dry_run:
         return Removal([s.id for s in doomed], 0, reasons)
     result = remove(store, doomed, reasons)
+    result = _with_late_parts(store, result, lambda part: f"a part of {owner_of(part)}, "
+                                                          f"which went")
     result.bytes_freed += sweep(store)
     store.keep_reserve()
     return result
