@@ -130,7 +130,8 @@ class GuestTimeout(GuestError):
 
 class DiskUsedEarly(VMError):
     """A guest resuming from a checkpoint used its disk while the disk was
-    still being restored beside the resume (which then restores it first)."""
+    still being restored beside the resume, or QEMU could not say whether
+    it did (the resume then restores the disk first)."""
 
 
 class NBDError(VMError):

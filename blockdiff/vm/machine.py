@@ -105,7 +105,6 @@ class Pause:
     seconds: float = 0.0             # how long the VM was stopped, once it runs again
     memory: Path | None = None       # with memory=True: the memory image, device state saved
     device_state: int = 0            # bytes of device state behind the RAM
-    saving: float = 0.0              # seconds from the device state's save to its end
     generation: Generation | None = None   # the dirty bitmap that started in the pause
     frozen: str | None = None   # the bitmap it froze, until read (if it is to be trusted)
     disk_writes: int = -1       # with read_later: QEMU's count of disk writes before the stop
@@ -431,14 +430,16 @@ class Machine:
     def _disk_in_place(self, disk) -> str | None:
         """The disk's lineage mark once ``disk`` (see :meth:`launch`) put it
         in place; :class:`DiskUsedEarly` if QEMU counts a request on the
-        disk by then (every request since it started: none is expected)."""
+        disk by then (every request since it started: none is expected), or
+        does not say."""
         mark = disk.result()
         stats = self._disk_stats()
         used = sum(stats.get(k, 0) for k in ("rd_operations", "wr_operations",
                                              "flush_operations", "unmap_operations"))
-        if used:
-            raise DiskUsedEarly(f"the guest of VM {self.vm.name} used its disk ({used} "
-                                f"requests) before it was restored")
+        if used or not stats:
+            raise DiskUsedEarly(f"the guest of VM {self.vm.name} may have used its disk "
+                                f"({used if stats else 'uncounted'} requests) before it "
+                                f"was restored")
         return mark
 
     def shutdown(self, timeout: float = 20.0) -> None:
@@ -570,7 +571,6 @@ class Machine:
                     pause.generation, pause.frozen = self._next_generation(mark)
                     self.read_written(pause, drop=False)
                 if memory:
-                    started = time.monotonic()
                     saving = self._start_saving_device_state(q)
                     pause.memory = self.memory_image
                 yield pause
@@ -578,7 +578,6 @@ class Machine:
                     fd, saving = saving, None
                     state = self._saved_device_state(q, fd)
                     pause.device_state = len(state)
-                    pause.saving = time.monotonic() - started
             finally:
                 if saving is not None:   # the block failed; QEMU is to be done before cont
                     with contextlib.suppress(VMError):

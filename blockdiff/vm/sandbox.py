@@ -466,19 +466,19 @@ class Sandbox:
             if memory_capture is not None:
                 memory_snap = memory_capture.finish(
                     message=f"memory: {message}" if message else "memory",
-                    meta=self._memory_meta(pause) | {PART_OF: snap.id}, ttl=ttl,
-                    borrow_from=snap)
+                    meta=self._memory_meta(pause, snap), ttl=ttl, borrow_from=snap)
         # The bitmap that started in the pause started with the disk being
         # this snapshot.
         self.machine.trust_tracking(pause, self.store.lineage_mark(self.disk))
         return snap, memory_snap, pause, memory_capture
 
-    def _memory_meta(self, pause) -> dict:
+    def _memory_meta(self, pause, checkpoint: Snapshot) -> dict:
         """The metadata of a memory snapshot: what it is, the machine it can
-        be resumed on, and the size of the device state behind its RAM."""
+        be resumed on, the size of the device state behind its RAM, and the
+        checkpoint (disk snapshot) it is a part of."""
         return {"vm": self.name, "vm.kernel": self.config["kernel"], PART_KEY: "memory",
                 MACHINE_KEY: json.dumps(self.machine.signature(), sort_keys=True),
-                DEVICE_STATE_KEY: str(pause.device_state)}
+                DEVICE_STATE_KEY: str(pause.device_state), PART_OF: checkpoint.id}
 
     def _freeze(self, link: GuestLink, processes: bool = False) -> str:
         """Have the guest flush and freeze its filesystem (and its processes);
