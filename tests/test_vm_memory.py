@@ -121,6 +121,28 @@ def test_processes_and_their_memory_survive_restore_and_fork(store, box):
     assert store.verify() == {}
 
 
+def test_restores_start_from_the_standby_and_bring_back_each_checkpoint(store, box):
+    pid, digest = running_step(box)
+    first = box.checkpoint("first")
+    run(box, f"kill {pid}; rm /mnt/ram/payload; echo later > /later")
+    second = box.checkpoint("second")
+    # Prepared at "second" while the guest ran; the restore takes it.
+    timing = box.restore(first)
+    assert timing.memory and timing.standby
+    assert alive(box, pid) and payload_hash(box) == digest
+    assert box.exec("test -e /later").status == 1
+    # The image the dead guest left is the standby now, prepared again at
+    # "first" while the guest runs, and taken by restores in a row.
+    timing = box.restore(second)
+    assert timing.standby and not alive(box, pid) and run(box, "cat /later") == "later\n"
+    timing = box.restore(first)
+    assert timing.standby and alive(box, pid) and payload_hash(box) == digest
+    box.standby.wait()
+    assert box.standby.failure is None
+    assert not [p.name for p in box.directory.iterdir() if p.name.startswith(".memory")]
+    assert store.verify() == {}
+
+
 def test_two_forks_of_one_checkpoint_read_different_random_bytes(store, box):
     run(box, "true")
     checkpoint = box.checkpoint("base")

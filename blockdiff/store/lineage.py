@@ -49,6 +49,16 @@ def set_lineage(fd: int, store_id: str, snapshot_id: str, state: str) -> None:
          "mark": os.urandom(8).hex()}).encode())
 
 
+def forget_lineage(path: str | os.PathLike) -> None:
+    """Remove the lineage an image records: it no longer vouches for what the
+    image holds (a restore into it then compares it whole)."""
+    try:
+        os.removexattr(path, LINEAGE_XATTR)
+    except OSError as e:
+        if e.errno not in (errno.ENODATA, errno.ENOTSUP):
+            raise
+
+
 @contextlib.contextmanager
 def image_locked(path: str, flags: int):
     """An open descriptor of the image at ``path``, locked against other

@@ -58,6 +58,7 @@ from blockdiff.store.store import Store, as_store
 from blockdiff.vm.guestlink import THAW, ExecResult, GuestLink
 from blockdiff.vm.machine import DEFAULT_BOOT_TIMEOUT, Machine
 from blockdiff.vm.registry import Registry, check_name
+from blockdiff.vm.standby import NOTHING_WRITTEN, Standby
 
 LOCK = "lock"
 CHECKPOINTING = "checkpointing"
@@ -99,6 +100,7 @@ class RestoreTiming:
     rebooted: bool   # False when the disk was swapped under the running guest
     tracked: bool = False   # QEMU's dirty bitmap said what was written
     memory: bool = False    # the VM resumed from the checkpoint's memory, processes and all
+    standby: bool = False   # its memory image was the standby (blockdiff.vm.standby)
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,7 @@ class Sandbox:
         self.directory = self.vm.directory
         self.config = self.vm.config
         self.disk = self.vm.disk
+        self.standby = Standby(self.store, self.directory)
         self.ephemeral = False
         # Seconds to wait for the guest daemon's answer to a freeze, a thaw or
         # a detach before treating the guest as unresponsive.
@@ -216,6 +219,7 @@ class Sandbox:
             self.destroy()
         else:
             self.stop()
+            self.standby.wait()
 
     @property
     def pid(self) -> int | None:
@@ -332,6 +336,7 @@ class Sandbox:
         """Stop the VM and delete its directory. Snapshots of it stay in the store."""
         with self._lock():
             self._kill()
+            self.standby.wait()
         self.registry.remove(self.name)
 
     # --------------------------------------------------------------- work
@@ -400,6 +405,8 @@ class Sandbox:
                         self._thaw(link, snap, settle=skip_unchanged)
             (self.directory / RAN).unlink(missing_ok=True)
             marker.unlink()
+            if memory_snap is not None:
+                self.standby.prepare(memory_snap.id)
             self.last_checkpoint = CheckpointTiming(
                 frozen - start, pause.seconds, time.monotonic() - start,
                 pause.written is not None, memory,
@@ -543,7 +550,7 @@ class Sandbox:
         memory_snap = None if disk_only else self._memory_of(snap, self.machine)
         with self._lock():
             start = time.monotonic()
-            rebooted = tracked = False
+            rebooted = tracked = self._from_standby = False
             if memory_snap is not None:
                 written = None
                 if self.machine.running:
@@ -569,7 +576,7 @@ class Sandbox:
                 else:
                     tracked = swapped
             self.last_restore = RestoreTiming(time.monotonic() - start, rebooted, tracked,
-                                              memory_snap is not None)
+                                              memory_snap is not None, self._from_standby)
             return self.last_restore
 
     def _resume(self, snap: Snapshot, memory_snap: Snapshot, timeout: float, *,
@@ -584,10 +591,15 @@ class Sandbox:
         the check of the disk's layers goes to ``progress``.
         ``last_restore_phases`` says how long each took."""
         phases = self.last_restore_phases = {}
+        # The standby, renamed over the memory image, is its snapshot but
+        # where the two snapshots differ: only there is it rewritten, with no
+        # dirty RAM of the dead guest to write back and map first.
+        self._from_standby = (start and not fresh and self.standby.take(
+            self.machine.memory_image, memory_snap.size))
 
-        def restore_memory() -> None:
+        def restore_memory(written=NOTHING_WRITTEN if self._from_standby else None) -> None:
             began = time.monotonic()
-            self.store.restore(memory_snap.id, self.machine.memory_image)
+            self.store.restore(memory_snap.id, self.machine.memory_image, written=written)
             phases["memory"] = time.monotonic() - began
 
         def restore_disk(written) -> str:
@@ -597,9 +609,9 @@ class Sandbox:
             phases["disk"] = time.monotonic() - began
             return self.store.lineage_mark(self.disk)
 
-        def restore(written=written) -> str:
+        def restore(written=written, memory_written=None) -> str:
             mark = restore_disk(written)
-            restore_memory()
+            restore_memory(memory_written)
             return mark
 
         if not start:
@@ -618,12 +630,16 @@ class Sandbox:
                                     disk_meanwhile=lambda: restore_disk(written), hot=hot)
             except DiskUsedEarly:
                 # Both again, first; what the guest wrote meanwhile is in no
-                # bitmap, so the disk is mapped whole.
+                # bitmap, so both are mapped whole.
                 self.machine.launch(timeout, incoming=True, hot=hot,
                                     meanwhile=lambda: restore(written=None))
         else:
-            self.machine.launch(timeout, incoming=True, mark=restore(),
-                                hot=self._hot_memory(memory_snap.id))
+            self.machine.launch(timeout, incoming=True, hot=self._hot_memory(memory_snap.id),
+                                mark=restore(memory_written=NOTHING_WRITTEN
+                                             if self._from_standby else None))
+        if not fresh:
+            # For the next restore, while the guest runs.
+            self.standby.prepare(memory_snap.id)
 
     def _hot_memory(self, memory_snapshot_id: str):
         """The parts of the memory image that the last few checkpoints up to

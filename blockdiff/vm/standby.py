@@ -1,0 +1,167 @@
+"""A VM's standby memory image: a second memory image, kept clean at one of
+its memory snapshots, that a restore starts from.
+
+A restore with memory could rewrite the dead VM's own memory image in place,
+but only after writing back, and mapping, all the RAM its guest dirtied since
+its last checkpoint: bytes the restore then throws away, at about a
+millisecond per dirty MiB, scattered (some 40 ms after a small step, far more
+after a large one). The standby is never mapped by QEMU, so nothing writes
+it: its extent map is its snapshot's, and bringing it to another snapshot
+rewrites only where the two snapshots' extent maps differ, with nothing to
+write back or map first. A restore renames it over the VM's memory image,
+whose dirty pages go unwritten with its inode, and brings it to the
+checkpoint while QEMU starts.
+
+A standby is prepared in a thread of its own, while the guest runs: moved
+to each new memory checkpoint, built anew (from the layers) after a restore
+took it, and its page cache warmed in 4 KiB folios (see
+``blockdiff.vm.machine.warm_page_cache``) so that the guest resumed on it
+neither faults it in nor dirties it in large folios. Whoever prepares or
+takes it holds the standby's lock; a restore that finds it locked by another
+process, or missing, or not clean at a snapshot the store still has, does
+without. The thread is not a daemon: a process that exits waits for it, so
+that it leaves no half-built file.
+
+The standby shares every block with the layers of its snapshot: it costs
+the store no space while that snapshot stays, and at most one memory
+image's worth once it is removed, until the next checkpoint or restore moves
+the standby on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from blockdiff.store.lineage import forget_lineage
+from blockdiff.store.store import Store
+from blockdiff.vm.machine import warm_page_cache
+
+STANDBY = "memory.standby"
+STANDBY_LOCK = "memory.standby.lock"
+# Nothing written since its snapshot: the in-place restore compares maps only.
+NOTHING_WRITTEN = (np.zeros(0, np.uint64), np.zeros(0, np.uint64))
+
+
+class Standby:
+    """The standby memory image of the VM whose directory is ``directory``."""
+
+    def __init__(self, store: Store, directory: Path):
+        self.store = store
+        self.path = directory / STANDBY
+        self._building = directory / f".{STANDBY}.new"
+        self._swapping = directory / f".{STANDBY}.swap"
+        self._lock_path = directory / STANDBY_LOCK
+        self._thread: threading.Thread | None = None
+        # Why the last preparation failed (None if it did not): a thread
+        # must not print, and a standby is only ever a faster restore.
+        self.failure: Exception | None = None
+
+    def prepare(self, memory_snapshot_id: str) -> None:
+        """Start bringing the standby to a memory snapshot, in the background
+        (after the preparation under way, if any)."""
+        self.wait()
+        self._thread = threading.Thread(target=self._prepare, args=(memory_snapshot_id,),
+                                        name=f"standby {self.path.parent.name}")
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Until this process's preparation of the standby, if any, is done."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def take(self, image: Path, size: int) -> bool:
+        """Swap the standby with ``image`` (a memory image no QEMU runs on) if
+        it is clean at a snapshot of ``size`` bytes the store has (its lineage
+        then says which); False, and nothing changed, if there is none to
+        take. The old image is the next standby, once prepared: its page
+        cache is mostly what the next one needs."""
+        self.wait()
+        with self._locked(wait=False) as locked:
+            if not locked or not self._clean(size):
+                return False
+            if not os.path.lexists(image):
+                os.rename(self.path, image)
+                return True
+            # Its guest wrote it since the snapshot its lineage names.
+            forget_lineage(image)
+            os.rename(self.path, self._swapping)
+            os.rename(image, self.path)
+            os.rename(self._swapping, image)
+            return True
+
+    def _holds(self, size: int) -> bool:
+        try:
+            return os.lstat(self.path).st_size == size
+        except FileNotFoundError:
+            return False
+
+    def _clean(self, size: int) -> bool:
+        if not self._holds(size):
+            return False
+        known, state = self.store.lineage(self.path)
+        return known is not None and state == "clean"
+
+    def _prepare(self, memory_snapshot_id: str) -> None:
+        self.failure = None
+        try:
+            with self._locked(wait=True):
+                self._swapping.unlink(missing_ok=True)   # left by a swap cut short
+                size = self.store.get(memory_snapshot_id).size
+                if self._clean(size):
+                    self.store.restore(memory_snapshot_id, self.path, written=NOTHING_WRITTEN)
+                elif self._holds(size):
+                    # An old memory image: compared whole (written back, mapped).
+                    self.store.restore(memory_snapshot_id, self.path)
+                else:
+                    self._build(memory_snapshot_id, size)
+                self._warm()
+        except Exception as e:   # noqa: BLE001 - see failure
+            # A standby left half-moved is marked "restoring" by its lineage,
+            # and the next preparation builds it anew.
+            self.failure = e
+
+    def _build(self, memory_snapshot_id: str, size: int) -> None:
+        """A new standby of the snapshot, from its layers, renamed into place
+        once whole (0600: it is guest RAM)."""
+        self._building.unlink(missing_ok=True)
+        self.path.unlink(missing_ok=True)
+        try:
+            fd = os.open(self._building, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                         0o600)
+            try:
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+            self.store.restore(memory_snapshot_id, self._building)
+            os.rename(self._building, self.path)
+        finally:
+            self._building.unlink(missing_ok=True)
+
+    def _warm(self) -> None:
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            warm_page_cache(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def _locked(self, *, wait: bool):
+        """The standby's lock (yields whether it was had: without ``wait``,
+        not while another holds it)."""
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)

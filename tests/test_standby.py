@@ -1,0 +1,165 @@
+"""The standby memory image (blockdiff.vm.standby) on a real XFS store: what
+a restore takes is, once brought to its snapshot, that snapshot byte for
+byte, whatever came before; what it cannot trust it does not take."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import random
+import stat
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from blockdiff.store.lineage import forget_lineage
+from blockdiff.store.store import Store
+from blockdiff.vm.standby import NOTHING_WRITTEN, STANDBY_LOCK, Standby
+
+PAGE = 4096
+PAGES = 96
+SIZE = PAGES * PAGE
+
+
+def digest(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def scribble(path, rnd: random.Random, pages: int) -> None:
+    """Write random bytes over some pages of ``path`` (a guest writing RAM)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        for page in rnd.sample(range(PAGES), pages):
+            os.pwrite(fd, rnd.randbytes(PAGE if rnd.random() < 0.8 else 100), page * PAGE)
+    finally:
+        os.close(fd)
+
+
+def snapshots(store: Store, work, rnd: random.Random, count: int) -> list:
+    """``count`` snapshots of one image, each a few pages on from the last:
+    ``(snapshot, sha256 of its bytes)``."""
+    image = work / "committed.img"
+    with open(image, "wb") as f:
+        f.truncate(SIZE)
+    taken = []
+    for _ in range(count):
+        scribble(image, rnd, rnd.randint(1, 12))
+        taken.append((store.commit(image), digest(image)))
+    return taken
+
+
+@pytest.fixture
+def store(xfs):
+    s = Store.init(xfs / "store")
+    yield s
+    s.close()
+
+
+def test_a_standby_is_built_moved_taken_and_prepared_again(store, xfs):
+    rnd = random.Random(7)
+    (a, a_hash), (b, b_hash), (c, c_hash) = snapshots(store, xfs, rnd, 3)
+    vm = xfs / "vm"
+    vm.mkdir()
+    standby = Standby(store, vm)
+    image = vm / "memory.img"
+
+    standby.prepare(a.id)        # built from the layers
+    standby.wait()
+    assert standby.failure is None
+    assert digest(standby.path) == a_hash and store.lineage(standby.path) == (a.id, "clean")
+    assert stat.S_IMODE(os.stat(standby.path).st_mode) == 0o600   # guest RAM
+    standby.prepare(c.id)        # moved in place
+    standby.wait()
+    assert digest(standby.path) == c_hash and store.lineage(standby.path) == (c.id, "clean")
+
+    # A dead VM's image: its snapshot's, then written by its guest.
+    store.restore(b.id, image)
+    scribble(image, rnd, 20)
+    dead = digest(image)
+    assert standby.take(image, SIZE)
+    assert digest(image) == c_hash and store.lineage(image) == (c.id, "clean")
+    # The old image is the standby now, trusted by nobody until prepared.
+    assert digest(standby.path) == dead and store.lineage(standby.path) == (None, "")
+    assert not standby.take(vm / "other.img", SIZE)
+    # What a restore then does: only where c and b differ is rewritten.
+    result = store.restore(b.id, image, written=NOTHING_WRITTEN)
+    assert result.tracked and digest(image) == b_hash
+
+    standby.prepare(a.id)        # the old image compared whole
+    standby.wait()
+    assert standby.failure is None
+    assert digest(standby.path) == a_hash and store.lineage(standby.path) == (a.id, "clean")
+    assert sorted(p.name for p in vm.iterdir()) == ["memory.img", "memory.standby", STANDBY_LOCK]
+
+
+def test_a_standby_that_cannot_be_trusted_is_not_taken(store, xfs):
+    rnd = random.Random(8)
+    (a, a_hash), (b, _) = snapshots(store, xfs, rnd, 2)
+    vm = xfs / "vm"
+    vm.mkdir()
+    standby = Standby(store, vm)
+    image = vm / "memory.img"
+    store.restore(b.id, image)
+    before = digest(image)
+
+    assert not standby.take(image, SIZE)                  # none yet
+    standby.prepare(a.id)
+    standby.wait()
+    assert not standby.take(image, SIZE + PAGE)           # another machine's size
+    lock = os.open(vm / STANDBY_LOCK, os.O_RDWR)          # being prepared elsewhere
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        assert not standby.take(image, SIZE)
+    finally:
+        os.close(lock)
+    forget_lineage(standby.path)                          # a preparation cut short
+    assert not standby.take(image, SIZE)
+    standby.prepare(a.id)
+    standby.wait()
+    store.rm(a.id)                                        # its snapshot removed
+    assert not standby.take(image, SIZE)
+    assert digest(image) == before
+
+    standby.prepare("no-such-snapshot")                   # fails quietly, leaves nothing
+    standby.wait()
+    assert standby.failure is not None
+    assert not any(p.name.startswith(".") for p in vm.iterdir())
+    standby.prepare(b.id)                                 # and the next one builds again
+    standby.wait()
+    assert standby.failure is None and standby.take(image, SIZE)
+
+
+@settings(max_examples=20, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1),
+       steps=st.lists(st.tuples(st.sampled_from(["prepare", "restore", "checkpoint"]),
+                                st.integers(0, 5)), min_size=1, max_size=12))
+def test_restores_through_the_standby_always_give_the_snapshot(store, xfs, seed, steps):
+    """Random checkpoints, restores and preparations of a VM's memory image,
+    the guest writing it between them, as a sandbox does: every restore
+    through the standby gives its snapshot byte for byte."""
+    rnd = random.Random(seed)
+    vm = Path(tempfile.mkdtemp(dir=xfs))
+    standby = Standby(store, vm)
+    image = vm / "memory.img"
+    with open(image, "wb") as f:
+        f.truncate(SIZE)
+    taken = [(store.commit(image), digest(image))]
+    for op, k in steps:
+        snap, want = taken[k % len(taken)]
+        if op == "prepare":
+            standby.prepare(snap.id)
+            standby.wait()
+            assert standby.failure is None
+        elif op == "checkpoint":
+            scribble(image, rnd, rnd.randint(1, 10))
+            taken.append((store.commit(image), digest(image)))
+        else:
+            written = NOTHING_WRITTEN if standby.take(image, SIZE) else None
+            store.restore(snap.id, image, written=written)
+            assert digest(image) == want
+            scribble(image, rnd, rnd.randint(0, 10))   # the guest runs on
