@@ -76,6 +76,16 @@ def test_a_standby_is_built_moved_taken_and_prepared_again(store, xfs):
     standby.wait()
     assert digest(standby.path) == c_hash and store.lineage(standby.path) == (c.id, "clean")
 
+    # A fork's image: a copy, the standby staying as it was.
+    fork = vm / "fork.img"
+    assert standby.copy_to(fork, SIZE)
+    assert digest(fork) == c_hash and store.lineage(fork) == (c.id, "clean")
+    assert stat.S_IMODE(os.stat(fork).st_mode) == 0o600
+    assert store.restore(a.id, fork, written=NOTHING_WRITTEN).tracked
+    assert digest(fork) == a_hash and digest(standby.path) == c_hash
+    assert not standby.copy_to(vm / "small.img", SIZE - PAGE)
+    fork.unlink()
+
     # A dead VM's image: its snapshot's, then written by its guest.
     store.restore(b.id, image)
     scribble(image, rnd, 20)
@@ -114,6 +124,8 @@ def test_a_standby_that_cannot_be_trusted_is_not_taken(store, xfs):
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         assert not standby.take(image, SIZE)
+        assert not standby.copy_to(vm / "fork.img", SIZE)
+        assert not (vm / "fork.img").exists()
     finally:
         os.close(lock)
     forget_lineage(standby.path)                          # a preparation cut short
@@ -136,7 +148,7 @@ def test_a_standby_that_cannot_be_trusted_is_not_taken(store, xfs):
 @settings(max_examples=20, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1),
-       steps=st.lists(st.tuples(st.sampled_from(["prepare", "restore", "checkpoint"]),
+       steps=st.lists(st.tuples(st.sampled_from(["prepare", "restore", "checkpoint", "fork"]),
                                 st.integers(0, 5)), min_size=1, max_size=12))
 def test_restores_through_the_standby_always_give_the_snapshot(store, xfs, seed, steps):
     """Random checkpoints, restores and preparations of a VM's memory image,
@@ -158,6 +170,12 @@ def test_restores_through_the_standby_always_give_the_snapshot(store, xfs, seed,
         elif op == "checkpoint":
             scribble(image, rnd, rnd.randint(1, 10))
             taken.append((store.commit(image), digest(image)))
+        elif op == "fork":
+            fork = vm / "fork.img"
+            written = NOTHING_WRITTEN if standby.copy_to(fork, SIZE) else None
+            store.restore(snap.id, fork, written=written)
+            assert digest(fork) == want
+            fork.unlink()
         else:
             written = NOTHING_WRITTEN if standby.take(image, SIZE) else None
             store.restore(snap.id, image, written=written)

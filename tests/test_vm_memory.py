@@ -140,6 +140,17 @@ def test_restores_start_from_the_standby_and_bring_back_each_checkpoint(store, b
     box.standby.wait()
     assert box.standby.failure is None
     assert not [p.name for p in box.directory.iterdir() if p.name.startswith(".memory")]
+    # A fork starts from a copy of the standby (at "first"), brought to
+    # "second"; the standby stays, clean at "first".
+    fork = box.fork(second, "fork")
+    try:
+        assert fork.memory_from_standby
+        assert not alive(fork, pid) and run(fork, "cat /later") == "later\n"
+        assert stat.S_IMODE(os.stat(fork.machine.memory_image).st_mode) == 0o600
+        assert store.lineage(box.standby.path) == (store.get(first).meta[MEMORY_KEY], "clean")
+        assert alive(box, pid) and payload_hash(box) == digest
+    finally:
+        fork.destroy()
     assert store.verify() == {}
 
 

@@ -131,6 +131,9 @@ class Sandbox:
         self.config = self.vm.config
         self.disk = self.vm.disk
         self.standby = Standby(self.store, self.directory)
+        # Whether the memory image of the last restore or fork with memory was
+        # a standby (blockdiff.vm.standby).
+        self.memory_from_standby = False
         self.ephemeral = False
         # Seconds to wait for the guest daemon's answer to a freeze, a thaw or
         # a detach before treating the guest as unresponsive.
@@ -550,7 +553,7 @@ class Sandbox:
         memory_snap = None if disk_only else self._memory_of(snap, self.machine)
         with self._lock():
             start = time.monotonic()
-            rebooted = tracked = self._from_standby = False
+            rebooted = tracked = self.memory_from_standby = False
             if memory_snap is not None:
                 written = None
                 if self.machine.running:
@@ -561,7 +564,10 @@ class Sandbox:
                 self._kill()
                 killed = time.monotonic()
                 (self.directory / RESUME_FROM).unlink(missing_ok=True)
-                self._resume(snap, memory_snap, timeout, written=written)
+                self.memory_from_standby = self.standby.take(self.machine.memory_image,
+                                                       memory_snap.size)
+                self._resume(snap, memory_snap, timeout, written=written,
+                             from_standby=self.memory_from_standby)
                 tracked = written is not None
                 self.last_restore_phases = {"stop": killed - start} | self.last_restore_phases
             elif not self.machine.running:
@@ -576,28 +582,29 @@ class Sandbox:
                 else:
                     tracked = swapped
             self.last_restore = RestoreTiming(time.monotonic() - start, rebooted, tracked,
-                                              memory_snap is not None, self._from_standby)
+                                              memory_snap is not None, self.memory_from_standby)
             return self.last_restore
 
     def _resume(self, snap: Snapshot, memory_snap: Snapshot, timeout: float, *,
                 start: bool = True, disk: bool = True, written=None,
-                fresh: bool = False, progress: Progress = NO_PROGRESS) -> None:
+                fresh: bool = False, from_standby: bool = False,
+                progress: Progress = NO_PROGRESS) -> None:
         """With QEMU not running: the disk (unless it is the checkpoint's
         already: not ``disk``; ``written`` as for ``Store.restore``) and the
         memory image restored to the checkpoint, then (``start``) a QEMU
         resumed from them. Where both are restored in place at their sizes,
-        QEMU starts meanwhile. ``fresh``: both files are new and empty (a
-        fork's), so that the page cache of the memory image holds nothing;
-        the check of the disk's layers goes to ``progress``.
-        ``last_restore_phases`` says how long each took."""
+        QEMU starts meanwhile. ``fresh``: the disk is a new and empty file
+        (a fork's), and so is the memory image (or a copy of a standby), so
+        that its page cache holds nothing; the check of the disk's layers
+        goes to ``progress``. ``from_standby``: the memory image is a
+        standby (see blockdiff.vm.standby) or a copy of one, clean at its
+        snapshot. ``last_restore_phases`` says how long each took."""
         phases = self.last_restore_phases = {}
-        # The standby, renamed over the memory image, is its snapshot but
-        # where the two snapshots differ: only there is it rewritten, with no
-        # dirty RAM of the dead guest to write back and map first.
-        self._from_standby = (start and not fresh and self.standby.take(
-            self.machine.memory_image, memory_snap.size))
 
-        def restore_memory(written=NOTHING_WRITTEN if self._from_standby else None) -> None:
+        # A standby is its snapshot but where the two snapshots differ: only
+        # there is it rewritten, with no dirty RAM of a dead guest to write
+        # back and map first.
+        def restore_memory(written=NOTHING_WRITTEN if from_standby else None) -> None:
             began = time.monotonic()
             self.store.restore(memory_snap.id, self.machine.memory_image, written=written)
             phases["memory"] = time.monotonic() - began
@@ -636,7 +643,7 @@ class Sandbox:
         else:
             self.machine.launch(timeout, incoming=True, hot=self._hot_memory(memory_snap.id),
                                 mark=restore(memory_written=NOTHING_WRITTEN
-                                             if self._from_standby else None))
+                                             if from_standby else None))
         if not fresh:
             # For the next restore, while the guest runs.
             self.standby.prepare(memory_snap.id)
@@ -729,21 +736,24 @@ class Sandbox:
                                        timeout=timeout, disk_only=disk_only,
                                        kernel=self.vm.kernel_dir, memory_mb=self.vm.memory_mb,
                                        cpus=self.vm.cpus, memory=self.memory_checkpoints,
-                                       progress=progress)
+                                       progress=progress, _standby=self.standby)
 
     @classmethod
     def from_checkpoint(cls, store: Store | str | os.PathLike, snapshot_id: str, name: str, *,
                         start: bool = True, timeout: float = DEFAULT_BOOT_TIMEOUT,
                         disk_only: bool = False, kernel: str | os.PathLike | None = None,
                         memory_mb: int = 256, cpus: int = 1, memory: bool | None = None,
-                        progress: Progress = NO_PROGRESS) -> "Sandbox":
+                        progress: Progress = NO_PROGRESS,
+                        _standby: Standby | None = None) -> "Sandbox":
         """A new VM ``name`` from a checkpoint, with no VM of its own needed:
         what :meth:`fork` does, and what another host of a shared store does
         to take a sandbox over (its kernel comes from the snapshot, fetched
         if need be). From a checkpoint with memory (unless ``disk_only``) it
         takes the checkpoint's memory size and CPUs and resumes its processes
         instead of booting (when started, if ``start`` is False); otherwise
-        ``memory_mb`` and ``cpus``, and a boot."""
+        ``memory_mb`` and ``cpus``, and a boot. ``_standby``: a standby
+        memory image (of the VM forked) to copy, if it is there and not
+        being prepared, instead of filling a new memory image whole."""
         store = as_store(store)
         snap = store.get(snapshot_id)
         memory_snap = None
@@ -768,10 +778,13 @@ class Sandbox:
         if memory_snap is not None:
             try:
                 other._check_machine(snap, memory_snap, other.machine)
-                _empty_file(other.machine.memory_image, memory_snap.size, 0o600)   # guest RAM
+                other.memory_from_standby = _standby is not None and _standby.copy_to(
+                    other.machine.memory_image, memory_snap.size)
+                if not other.memory_from_standby:
+                    _empty_file(other.machine.memory_image, memory_snap.size, 0o600)   # guest RAM
                 with other._lock():
                     other._resume(snap, memory_snap, timeout, start=start, fresh=True,
-                                  progress=progress)
+                                  from_standby=other.memory_from_standby, progress=progress)
             except BaseException:
                 other.destroy()
                 raise

@@ -38,7 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from blockdiff.store.lineage import forget_lineage
+from blockdiff.engine.files import clone_or_copy
+from blockdiff.store.lineage import forget_lineage, set_lineage
 from blockdiff.store.store import Store
 from blockdiff.vm.machine import warm_page_cache
 
@@ -94,6 +95,29 @@ class Standby:
             os.rename(self.path, self._swapping)
             os.rename(image, self.path)
             os.rename(self._swapping, image)
+            return True
+
+    def copy_to(self, image: Path, size: int) -> bool:
+        """Make ``image``, a new file, a reflink copy of the standby (which
+        stays) if it is clean at a snapshot of ``size`` bytes the store has;
+        its lineage then says which. False, and nothing made, if there is
+        none, or this process or another is preparing it: a fork does not
+        wait for it. A whole-file clone costs about half of what filling
+        the file from the layers does, piece by piece."""
+        with self._locked(wait=False) as locked:
+            if not locked or not self._clean(size):
+                return False
+            known, _ = self.store.lineage(self.path)
+            with open(self.path, "rb") as src:
+                fd = os.open(image, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                try:
+                    clone_or_copy(src.fileno(), fd, size, str(image))
+                    set_lineage(fd, self.store.id, known, "clean")
+                except BaseException:
+                    os.unlink(image)
+                    raise
+                finally:
+                    os.close(fd)
             return True
 
     def _holds(self, size: int) -> bool:
