@@ -39,6 +39,14 @@ def scribble(path, rnd: random.Random, pages: int) -> None:
         os.close(fd)
 
 
+def empty(path, size: int = SIZE):
+    """A fork's new memory image: empty, at its size, 0600."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.ftruncate(fd, size)
+    os.close(fd)
+    return path
+
+
 def snapshots(store: Store, work, rnd: random.Random, count: int) -> list:
     """``count`` snapshots of one image, each a few pages on from the last:
     ``(snapshot, sha256 of its bytes)``."""
@@ -77,14 +85,17 @@ def test_a_standby_is_built_moved_taken_and_prepared_again(store, xfs):
     assert digest(standby.path) == c_hash and store.lineage(standby.path) == (c.id, "clean")
 
     # A fork's image: a copy, the standby staying as it was.
-    fork = vm / "fork.img"
+    fork = empty(vm / "fork.img")
     assert standby.copy_to(fork, SIZE)
     assert digest(fork) == c_hash and store.lineage(fork) == (c.id, "clean")
     assert stat.S_IMODE(os.stat(fork).st_mode) == 0o600
     assert store.restore(a.id, fork, written=NOTHING_WRITTEN).tracked
     assert digest(fork) == a_hash and digest(standby.path) == c_hash
-    assert not standby.copy_to(vm / "small.img", SIZE - PAGE)
     fork.unlink()
+    small = empty(vm / "small.img", SIZE - PAGE)
+    assert not standby.copy_to(small, SIZE - PAGE) and not standby.copy_to(small, SIZE)
+    assert store.lineage(small) == (None, "")
+    small.unlink()
 
     # A dead VM's image: its snapshot's, then written by its guest.
     store.restore(b.id, image)
@@ -124,8 +135,10 @@ def test_a_standby_that_cannot_be_trusted_is_not_taken(store, xfs):
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         assert not standby.take(image, SIZE)
-        assert not standby.copy_to(vm / "fork.img", SIZE)
-        assert not (vm / "fork.img").exists()
+        fork = empty(vm / "fork.img")
+        assert not standby.copy_to(fork, SIZE)
+        assert store.lineage(fork) == (None, "") and open(fork, "rb").read() == bytes(SIZE)
+        fork.unlink()
     finally:
         os.close(lock)
     forget_lineage(standby.path)                          # a preparation cut short
@@ -171,7 +184,7 @@ def test_restores_through_the_standby_always_give_the_snapshot(store, xfs, seed,
             scribble(image, rnd, rnd.randint(1, 10))
             taken.append((store.commit(image), digest(image)))
         elif op == "fork":
-            fork = vm / "fork.img"
+            fork = empty(vm / "fork.img")
             written = NOTHING_WRITTEN if standby.copy_to(fork, SIZE) else None
             store.restore(snap.id, fork, written=written)
             assert digest(fork) == want

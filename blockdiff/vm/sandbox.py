@@ -588,25 +588,34 @@ class Sandbox:
     def _resume(self, snap: Snapshot, memory_snap: Snapshot, timeout: float, *,
                 start: bool = True, disk: bool = True, written=None,
                 fresh: bool = False, from_standby: bool = False,
+                copy_standby: Standby | None = None,
                 progress: Progress = NO_PROGRESS) -> None:
         """With QEMU not running: the disk (unless it is the checkpoint's
         already: not ``disk``; ``written`` as for ``Store.restore``) and the
         memory image restored to the checkpoint, then (``start``) a QEMU
         resumed from them. Where both are restored in place at their sizes,
-        QEMU starts meanwhile. ``fresh``: the disk is a new and empty file
-        (a fork's), and so is the memory image (or a copy of a standby), so
-        that its page cache holds nothing; the check of the disk's layers
-        goes to ``progress``. ``from_standby``: the memory image is a
-        standby (see blockdiff.vm.standby) or a copy of one, clean at its
-        snapshot. ``last_restore_phases`` says how long each took."""
+        QEMU starts meanwhile. ``fresh``: both files are new and empty (a
+        fork's), so that the page cache of the memory image holds nothing;
+        the check of the disk's layers goes to ``progress``.
+        ``from_standby``: the memory image is a standby just taken (see
+        blockdiff.vm.standby). ``copy_standby``: a standby to make the (new,
+        empty) memory image a copy of first, if it is ready
+        (``memory_from_standby`` says whether it was).
+        ``last_restore_phases`` says how long each took."""
         phases = self.last_restore_phases = {}
+        image = self.machine.memory_image
 
         # A standby is its snapshot but where the two snapshots differ: only
         # there is it rewritten, with no dirty RAM of a dead guest to write
-        # back and map first.
-        def restore_memory(written=NOTHING_WRITTEN if from_standby else None) -> None:
+        # back and map first. ``again``: QEMU ran on the image meanwhile.
+        def restore_memory(again: bool = False) -> None:
             began = time.monotonic()
-            self.store.restore(memory_snap.id, self.machine.memory_image, written=written)
+            trusted = from_standby and not again
+            if copy_standby is not None and not again:
+                trusted = self.memory_from_standby = copy_standby.copy_to(
+                    image, memory_snap.size)
+            self.store.restore(memory_snap.id, image,
+                               written=NOTHING_WRITTEN if trusted else None)
             phases["memory"] = time.monotonic() - began
 
         def restore_disk(written) -> str:
@@ -616,9 +625,9 @@ class Sandbox:
             phases["disk"] = time.monotonic() - began
             return self.store.lineage_mark(self.disk)
 
-        def restore(written=written, memory_written=None) -> str:
+        def restore(written=written, again: bool = False) -> str:
             mark = restore_disk(written)
-            restore_memory(memory_written)
+            restore_memory(again)
             return mark
 
         if not start:
@@ -639,11 +648,10 @@ class Sandbox:
                 # Both again, first; what the guest wrote meanwhile is in no
                 # bitmap, so both are mapped whole.
                 self.machine.launch(timeout, incoming=True, hot=hot,
-                                    meanwhile=lambda: restore(written=None))
+                                    meanwhile=lambda: restore(written=None, again=True))
         else:
             self.machine.launch(timeout, incoming=True, hot=self._hot_memory(memory_snap.id),
-                                mark=restore(memory_written=NOTHING_WRITTEN
-                                             if from_standby else None))
+                                mark=restore())
         if not fresh:
             # For the next restore, while the guest runs.
             self.standby.prepare(memory_snap.id)
@@ -778,13 +786,10 @@ class Sandbox:
         if memory_snap is not None:
             try:
                 other._check_machine(snap, memory_snap, other.machine)
-                other.memory_from_standby = _standby is not None and _standby.copy_to(
-                    other.machine.memory_image, memory_snap.size)
-                if not other.memory_from_standby:
-                    _empty_file(other.machine.memory_image, memory_snap.size, 0o600)   # guest RAM
+                _empty_file(other.machine.memory_image, memory_snap.size, 0o600)   # guest RAM
                 with other._lock():
                     other._resume(snap, memory_snap, timeout, start=start, fresh=True,
-                                  from_standby=other.memory_from_standby, progress=progress)
+                                  copy_standby=_standby, progress=progress)
             except BaseException:
                 other.destroy()
                 raise

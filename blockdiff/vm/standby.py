@@ -1,5 +1,5 @@
 """A VM's standby memory image: a second memory image, kept clean at one of
-its memory snapshots, that a restore starts from.
+its memory snapshots, that restores and forks start from.
 
 A restore with memory could rewrite the dead VM's own memory image in place,
 but only after writing back, and mapping, all the RAM its guest dirtied since
@@ -8,19 +8,24 @@ millisecond per dirty MiB, scattered (some 40 ms after a small step, far more
 after a large one). The standby is never mapped by QEMU, so nothing writes
 it: its extent map is its snapshot's, and bringing it to another snapshot
 rewrites only where the two snapshots' extent maps differ, with nothing to
-write back or map first. A restore renames it over the VM's memory image,
-whose dirty pages go unwritten with its inode, and brings it to the
-checkpoint while QEMU starts.
+write back or map first.
 
-A standby is prepared in a thread of its own, while the guest runs: moved
-to each new memory checkpoint, built anew (from the layers) after a restore
-took it, and its page cache warmed in 4 KiB folios (see
-``blockdiff.vm.machine.warm_page_cache``) so that the guest resumed on it
-neither faults it in nor dirties it in large folios. Whoever prepares or
-takes it holds the standby's lock; a restore that finds it locked by another
-process, or missing, or not clean at a snapshot the store still has, does
-without. The thread is not a daemon: a process that exits waits for it, so
-that it leaves no half-built file.
+- A restore swaps it with the dead VM's memory image (``take``) and brings
+  it to the checkpoint while QEMU starts. The dead image, its lineage
+  removed, is the next standby: its page cache is mostly what that needs.
+- A fork makes its new memory image a reflink copy of it (``copy_to``); the
+  standby stays.
+- It is prepared in a thread of its own while the guest runs (``prepare``):
+  moved to each new memory checkpoint; after a restore, the old image
+  restored in place (written back and mapped, off the restore's path); built
+  from the layers where there is none. Its page cache is then warmed in
+  4 KiB folios (see ``blockdiff.vm.machine.warm_page_cache``), so that a
+  guest resumed on it neither faults it in nor dirties it in large folios.
+
+Whoever prepares, takes or copies it holds the standby's lock; a restore or
+fork that finds it locked by another process, or missing, or not clean at a
+snapshot the store still has, does without. The thread is not a daemon: a
+process that exits waits for it, so that it leaves no half-built file.
 
 The standby shares every block with the layers of its snapshot: it costs
 the store no space while that snapshot stays, and at most one memory
@@ -59,8 +64,9 @@ class Standby:
         self._swapping = directory / f".{STANDBY}.swap"
         self._lock_path = directory / STANDBY_LOCK
         self._thread: threading.Thread | None = None
-        # Why the last preparation failed (None if it did not): a thread
-        # must not print, and a standby is only ever a faster restore.
+        # Why the last preparation (or copy) failed (None if it did not): a
+        # thread must not print, and a standby only ever makes a restore or
+        # a fork faster.
         self.failure: Exception | None = None
 
     def prepare(self, memory_snapshot_id: str) -> None:
@@ -98,26 +104,28 @@ class Standby:
             return True
 
     def copy_to(self, image: Path, size: int) -> bool:
-        """Make ``image``, a new file, a reflink copy of the standby (which
-        stays) if it is clean at a snapshot of ``size`` bytes the store has;
-        its lineage then says which. False, and nothing made, if there is
-        none, or this process or another is preparing it: a fork does not
-        wait for it. A whole-file clone costs about half of what filling
-        the file from the layers does, piece by piece."""
+        """Make ``image``, a new memory image of ``size`` bytes that no guest
+        ran on (a fork's, which QEMU may have mapped but not read), a
+        reflink copy of the standby (which stays), if it is clean at a
+        snapshot of that size the store has; its lineage then says which.
+        False if there is none, or this process or another is preparing it
+        (a fork does not wait for it), or the copy failed: ``image`` then
+        has no lineage, and a restore compares it whole. A whole-file clone
+        costs about half of what filling the file from the layers does,
+        piece by piece."""
         with self._locked(wait=False) as locked:
             if not locked or not self._clean(size):
                 return False
             known, _ = self.store.lineage(self.path)
-            with open(self.path, "rb") as src:
-                fd = os.open(image, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-                try:
-                    clone_or_copy(src.fileno(), fd, size, str(image))
-                    set_lineage(fd, self.store.id, known, "clean")
-                except BaseException:
-                    os.unlink(image)
-                    raise
-                finally:
-                    os.close(fd)
+            try:
+                with open(self.path, "rb") as src, open(image, "r+b") as dst:
+                    if os.fstat(dst.fileno()).st_size != size:
+                        return False
+                    clone_or_copy(src.fileno(), dst.fileno(), size, str(image))
+                    set_lineage(dst.fileno(), self.store.id, known, "clean")
+            except OSError as e:
+                self.failure = e
+                return False
             return True
 
     def _holds(self, size: int) -> bool:
