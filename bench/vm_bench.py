@@ -263,7 +263,7 @@ def run_memory(args, store: Store, base: Path, image, pool_blocks: int, rnd: ran
         assert box.exec(step_command(1000 + k, pool_blocks, rnd)).status == 0
         box.checkpoint("disk only", memory=False)
         disk_only.append(box.last_checkpoint.paused)
-    restore, restore_command, phases = [], [], []
+    restore, restore_command, phases, restore_standby = [], [], [], []
     for k in rnd.sample(range(1, args.memory_steps), min(RESTORE_SAMPLES, args.memory_steps - 1)):
         start = time.monotonic()
         timing = box.restore(ids[k])     # until the guest daemon has resumed it
@@ -271,14 +271,16 @@ def run_memory(args, store: Store, base: Path, image, pool_blocks: int, rnd: ran
         until_running(box)
         restore_command.append(time.monotonic() - start)
         phases.append(box.last_restore_phases | box.machine.last_launch)
+        restore_standby.append(timing.standby)
         assert timing.memory and box.exec(f"kill -0 {pid}").status == 0
         assert box.exec("cat /data/last").stdout == f"{k}\n".encode()
-    fork, fork_command, fork_phases = [], [], []
+    fork, fork_command, fork_phases, fork_standby = [], [], [], []
     for i, k in enumerate(rnd.sample(range(args.memory_steps), MEMORY_FORKS)):
         start = time.monotonic()
         other = box.fork(ids[k], f"whole-fork{i}")
         fork.append(time.monotonic() - start)
         fork_phases.append(other.last_restore_phases | other.machine.last_launch)
+        fork_standby.append(other.memory_from_standby)
         until_running(other)
         fork_command.append(time.monotonic() - start)
         assert other.exec(f"kill -0 {pid}").status == 0
@@ -309,8 +311,9 @@ def run_memory(args, store: Store, base: Path, image, pool_blocks: int, rnd: ran
             "dirty_mib": DIRTY_MIB, "big_paused": stats(big_pause),
             "big_stored": stats(big_stored), "disk_only_paused": stats(disk_only),
             "restore": stats(restore), "restore_command": stats(restore_command),
-            "restore_phases": phases, "fork": stats(fork), "fork_command": stats(fork_command),
-            "fork_phases": fork_phases,
+            "restore_phases": phases, "restore_standby": restore_standby,
+            "fork": stats(fork), "fork_command": stats(fork_command),
+            "fork_phases": fork_phases, "fork_standby": fork_standby,
             "qemu_save_paused": stats(qemu_save), "qemu_restore": stats(qemu_restore),
             "qemu_restore_command": stats(qemu_command),
             "qemu_saved_bytes": saved_bytes, "unwarmed_stored": stats(unwarmed[1:])}
@@ -478,7 +481,10 @@ def memory_table(r: dict) -> str:
            f"{mib(m['unwarmed_stored']['p50'])} |",
            f"| stored per {m['dirty_mib']} MiB step | {mib(m['big_stored']['p50'])} | – | |",
            f"\n{m['memory_mb']} MiB of guest RAM, {m['steps']} small steps with a process "
-           f"running; the first checkpoint after the boot stored {mib(m['stored']['first'])}."]
+           f"running; the first checkpoint after the boot stored {mib(m['stored']['first'])}; "
+           f"the standby memory image was used by {sum(m['restore_standby'])} of "
+           f"{len(m['restore_standby'])} restores and {sum(m['fork_standby'])} of "
+           f"{len(m['fork_standby'])} forks."]
     return "\n".join(out)
 
 

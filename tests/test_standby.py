@@ -86,14 +86,18 @@ def test_a_standby_is_built_moved_taken_and_prepared_again(store, xfs):
 
     # A fork's image: a copy, the standby staying as it was.
     fork = empty(vm / "fork.img")
-    assert standby.copy_to(fork, SIZE)
+    other = xfs / "other.img"           # a snapshot sharing nothing with c
+    other.write_bytes(rnd.randbytes(SIZE))
+    assert not standby.copy_to(fork, SIZE, store.commit(other).id)   # filling costs less
+    assert store.lineage(fork) == (None, "")
+    assert standby.copy_to(fork, SIZE, c.id)
     assert digest(fork) == c_hash and store.lineage(fork) == (c.id, "clean")
     assert stat.S_IMODE(os.stat(fork).st_mode) == 0o600
     assert store.restore(a.id, fork, written=NOTHING_WRITTEN).tracked
     assert digest(fork) == a_hash and digest(standby.path) == c_hash
     fork.unlink()
     small = empty(vm / "small.img", SIZE - PAGE)
-    assert not standby.copy_to(small, SIZE - PAGE) and not standby.copy_to(small, SIZE)
+    assert not standby.copy_to(small, SIZE - PAGE, c.id) and not standby.copy_to(small, SIZE, c.id)
     assert store.lineage(small) == (None, "")
     small.unlink()
 
@@ -136,7 +140,7 @@ def test_a_standby_that_cannot_be_trusted_is_not_taken(store, xfs):
         fcntl.flock(lock, fcntl.LOCK_EX)
         assert not standby.take(image, SIZE)
         fork = empty(vm / "fork.img")
-        assert not standby.copy_to(fork, SIZE)
+        assert not standby.copy_to(fork, SIZE, a.id)
         assert store.lineage(fork) == (None, "") and open(fork, "rb").read() == bytes(SIZE)
         fork.unlink()
     finally:
@@ -185,7 +189,7 @@ def test_restores_through_the_standby_always_give_the_snapshot(store, xfs, seed,
             taken.append((store.commit(image), digest(image)))
         elif op == "fork":
             fork = empty(vm / "fork.img")
-            written = NOTHING_WRITTEN if standby.copy_to(fork, SIZE) else None
+            written = NOTHING_WRITTEN if standby.copy_to(fork, SIZE, snap.id) else None
             store.restore(snap.id, fork, written=written)
             assert digest(fork) == want
             fork.unlink()

@@ -613,7 +613,7 @@ class Sandbox:
             trusted = from_standby and not again
             if copy_standby is not None and not again:
                 trusted = self.memory_from_standby = copy_standby.copy_to(
-                    image, memory_snap.size)
+                    image, memory_snap.size, memory_snap.id)
             self.store.restore(memory_snap.id, image,
                                written=NOTHING_WRITTEN if trusted else None)
             phases["memory"] = time.monotonic() - began
