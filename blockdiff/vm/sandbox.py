@@ -588,7 +588,6 @@ class Sandbox:
     def _resume(self, snap: Snapshot, memory_snap: Snapshot, timeout: float, *,
                 start: bool = True, disk: bool = True, written=None,
                 fresh: bool = False, from_standby: bool = False,
-                copy_standby: Standby | None = None,
                 progress: Progress = NO_PROGRESS) -> None:
         """With QEMU not running: the disk (unless it is the checkpoint's
         already: not ``disk``; ``written`` as for ``Store.restore``) and the
@@ -597,10 +596,8 @@ class Sandbox:
         QEMU starts meanwhile. ``fresh``: both files are new and empty (a
         fork's), so that the page cache of the memory image holds nothing;
         the check of the disk's layers goes to ``progress``.
-        ``from_standby``: the memory image is a standby just taken (see
-        blockdiff.vm.standby). ``copy_standby``: a standby to make the (new,
-        empty) memory image a copy of first, if it is ready
-        (``memory_from_standby`` says whether it was).
+        ``from_standby``: the memory image is a standby (see
+        blockdiff.vm.standby) or a copy of one, clean at its snapshot.
         ``last_restore_phases`` says how long each took."""
         phases = self.last_restore_phases = {}
         image = self.machine.memory_image
@@ -611,9 +608,6 @@ class Sandbox:
         def restore_memory(again: bool = False) -> None:
             began = time.monotonic()
             trusted = from_standby and not again
-            if copy_standby is not None and not again:
-                trusted = self.memory_from_standby = copy_standby.copy_to(
-                    image, memory_snap.size, memory_snap.id)
             self.store.restore(memory_snap.id, image,
                                written=NOTHING_WRITTEN if trusted else None)
             phases["memory"] = time.monotonic() - began
@@ -787,9 +781,14 @@ class Sandbox:
             try:
                 other._check_machine(snap, memory_snap, other.machine)
                 _empty_file(other.machine.memory_image, memory_snap.size, 0o600)   # guest RAM
+                # Before QEMU starts: a clone beside its start slowed both (in
+                # four benchmark runs each way, QEMU's start and the memory's
+                # restore took 100-117 ms against 169-216, medians).
+                other.memory_from_standby = _standby is not None and _standby.copy_to(
+                    other.machine.memory_image, memory_snap.size, memory_snap.id)
                 with other._lock():
                     other._resume(snap, memory_snap, timeout, start=start, fresh=True,
-                                  copy_standby=_standby, progress=progress)
+                                  from_standby=other.memory_from_standby, progress=progress)
             except BaseException:
                 other.destroy()
                 raise
