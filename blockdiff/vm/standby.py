@@ -173,8 +173,8 @@ class Standby:
                     self._build(memory_snapshot_id, size)
                 self._warm()
         except Exception as e:   # noqa: BLE001 - see failure
-            # A standby left half-moved is marked "restoring" by its lineage,
-            # and the next preparation builds it anew.
+            # A standby left half-moved is marked "restoring" by its lineage:
+            # nothing takes it, and the next preparation compares it whole.
             self.failure = e
 
     def _build(self, memory_snapshot_id: str, size: int) -> None:
