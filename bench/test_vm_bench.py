@@ -45,6 +45,10 @@ def test_end_to_end_tiny_run(tmp_path, capsys, scratch_xfs_possible):
     assert memory["borrowed"]["p50"] > 0
     assert memory["compared"]["p50"] >= memory["stored"]["p50"] + memory["borrowed"]["p50"]
     assert len(memory["fork_phases"]) == vm_bench.MEMORY_FORKS
+    # Each restore waits for its own process's standby: every one takes it.
+    assert memory["restore_standby"] == [True] * 5
+    assert len(memory["fork_standby"]) == vm_bench.MEMORY_FORKS
+    assert "the standby memory image was used by 5 of 5 restores" in printed
     # QEMU's own save holds every page the guest used (92-97 MB of 256 MiB
     # here, its zero pages left out), far more than a step stores.
     assert memory["qemu_saved_bytes"] > max(64 * vm_bench.MiB, 10 * memory["stored"]["p50"])
