@@ -12,7 +12,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-import pytest
+import test_store
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,6 +20,8 @@ from blockdiff.store.lineage import forget_lineage
 from blockdiff.store.store import Store
 from blockdiff.vm.standby import NOTHING_WRITTEN, STANDBY_LOCK, Standby
 
+# The store tests' store on a fresh XFS directory, where pytest looks for fixtures.
+store = test_store.store
 PAGE = 4096
 PAGES = 96
 SIZE = PAGES * PAGE
@@ -58,13 +60,6 @@ def snapshots(store: Store, work, rnd: random.Random, count: int) -> list:
         scribble(image, rnd, rnd.randint(1, 12))
         taken.append((store.commit(image), digest(image)))
     return taken
-
-
-@pytest.fixture
-def store(xfs):
-    s = Store.init(xfs / "store")
-    yield s
-    s.close()
 
 
 def test_a_standby_is_built_moved_taken_and_prepared_again(store, xfs):

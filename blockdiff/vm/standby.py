@@ -141,8 +141,9 @@ class Standby:
         the standby's snapshot."""
         if self.store.copy_mode:
             return False    # a copy through memory, not a clone
-        wanted = self.store.load_map(self.store.get(target)).pieces
-        differ = self.store.differences(self.store.get(known), self.store.get(target))
+        target_snap = self.store.get(target)
+        wanted = self.store.load_map(target_snap).pieces
+        differ = self.store.differences(self.store.get(known), target_snap)
         rewritten, _ = pieces_within(wanted, differ.offset, differ.offset + differ.length)
         return 2 * len(rewritten) < len(wanted)
 
