@@ -274,13 +274,13 @@ def run_memory(args, store: Store, base: Path, image, pool_blocks: int, rnd: ran
         restore_standby.append(timing.standby)
         assert timing.memory and box.exec(f"kill -0 {pid}").status == 0
         assert box.exec("cat /data/last").stdout == f"{k}\n".encode()
-    fork, fork_command, fork_phases, fork_standby = [], [], [], []
+    fork, fork_command, fork_phases, fork_source = [], [], [], []
     for i, k in enumerate(rnd.sample(range(args.memory_steps), MEMORY_FORKS)):
         start = time.monotonic()
         other = box.fork(ids[k], f"whole-fork{i}")
         fork.append(time.monotonic() - start)
         fork_phases.append(other.last_restore_phases | other.machine.last_launch)
-        fork_standby.append(other.memory_from_standby)
+        fork_source.append(other.memory_source)
         until_running(other)
         fork_command.append(time.monotonic() - start)
         assert other.exec(f"kill -0 {pid}").status == 0
@@ -313,7 +313,7 @@ def run_memory(args, store: Store, base: Path, image, pool_blocks: int, rnd: ran
             "restore": stats(restore), "restore_command": stats(restore_command),
             "restore_phases": phases, "restore_standby": restore_standby,
             "fork": stats(fork), "fork_command": stats(fork_command),
-            "fork_phases": fork_phases, "fork_standby": fork_standby,
+            "fork_phases": fork_phases, "fork_source": fork_source,
             "qemu_save_paused": stats(qemu_save), "qemu_restore": stats(qemu_restore),
             "qemu_restore_command": stats(qemu_command),
             "qemu_saved_bytes": saved_bytes, "unwarmed_stored": stats(unwarmed[1:])}
@@ -483,8 +483,9 @@ def memory_table(r: dict) -> str:
            f"\n{m['memory_mb']} MiB of guest RAM, {m['steps']} small steps with a process "
            f"running; the first checkpoint after the boot stored {mib(m['stored']['first'])}; "
            f"the standby memory image was used by {sum(m['restore_standby'])} of "
-           f"{len(m['restore_standby'])} restores and {sum(m['fork_standby'])} of "
-           f"{len(m['fork_standby'])} forks."]
+           f"{len(m['restore_standby'])} restores; of {len(m['fork_source'])} forks, "
+           f"{m['fork_source'].count('spare')} took the spare and "
+           f"{m['fork_source'].count('standby copy')} copied the standby."]
     return "\n".join(out)
 
 

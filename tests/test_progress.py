@@ -267,11 +267,21 @@ def test_vm_create_start_and_fork_report_their_phases(xfs, vm_image):  # noqa: F
             box.fork(snapshot, "box2", progress=rec, disk_only=True)
             rec.check_complete()
             assert [p[0] for p in rec.phases] == ["checking layers", "starting QEMU (1/2)", boot]
-            # From the checkpoint's memory: no boot to report.
+            # From the checkpoint's memory: no boot to report; the disk's
+            # layers checked as it is filled from them.
+            box.standby.wait()
+            box.standby.disk_spare.path.unlink()
             rec = Recorder()
-            box.fork(snapshot, "box3", progress=rec)
+            assert box.fork(snapshot, "box3", progress=rec).disk_source == ""
             rec.check_complete()
             assert [p[0] for p in rec.phases] == ["checking layers"]
+            # From the disk spare, which is that checkpoint's disk already:
+            # nothing to fill, nothing to check.
+            box.standby.wait()
+            rec = Recorder()
+            assert box.fork(snapshot, "box4", progress=rec).disk_source == "spare"
+            rec.check_complete()
+            assert rec.phases == []
         finally:
             for sandbox in Sandbox.list(store):
                 sandbox._kill()

@@ -1,6 +1,7 @@
-"""The standby memory image (blockdiff.vm.standby) on a real XFS store: what
-a restore takes is, once brought to its snapshot, that snapshot byte for
-byte, whatever came before; what it cannot trust it does not take."""
+"""The standby memory image and the spares (blockdiff.vm.standby) on a real
+XFS store: what a restore or a fork takes is, once brought to its snapshot,
+that snapshot byte for byte, whatever came before; what it cannot trust it
+does not take."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import random
 import stat
 import tempfile
+import threading
 from pathlib import Path
 
 import test_store
@@ -17,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from blockdiff.store.lineage import forget_lineage
+from blockdiff.store.retention import Policy
 from blockdiff.store.store import Store
 from blockdiff.vm.standby import NOTHING_WRITTEN, STANDBY_LOCK, Standby
 
@@ -113,7 +116,101 @@ def test_a_standby_is_built_moved_taken_and_prepared_again(store, xfs):
     standby.wait()
     assert standby.failure is None
     assert digest(standby.path) == a_hash and store.lineage(standby.path) == (a.id, "clean")
-    assert sorted(p.name for p in vm.iterdir()) == ["memory.img", "memory.standby", STANDBY_LOCK]
+    assert sorted(p.name for p in vm.iterdir()) == [
+        "memory.img", "memory.spare", "memory.spare.lock", "memory.standby", STANDBY_LOCK]
+
+
+def test_forks_take_the_spares_which_are_then_made_anew(store, xfs):
+    rnd = random.Random(9)
+    (a, a_hash), (b, b_hash), (c, c_hash) = snapshots(store, xfs, rnd, 3)
+    vm = xfs / "vm"
+    vm.mkdir()
+    standby = Standby(store, vm)
+    memory, disk = standby.memory_spare, standby.disk_spare
+
+    standby.prepare(a.id, b.id)          # built: a clone of the standby, from the layers
+    standby.wait()
+    assert standby.failure is None
+    assert digest(memory.path) == a_hash and store.lineage(memory.path) == (a.id, "clean")
+    assert digest(disk.path) == b_hash and store.lineage(disk.path) == (b.id, "clean")
+    assert stat.S_IMODE(os.stat(memory.path).st_mode) == 0o600        # guest RAM
+    standby.prepare(c.id, c.id)          # both moved in place
+    standby.wait()
+    assert digest(memory.path) == c_hash and digest(disk.path) == c_hash
+
+    fork = xfs / "fork"
+    fork.mkdir()
+    assert not memory.give(fork / "memory.img", SIZE + PAGE)          # another size
+    lock = os.open(memory.lock_path, os.O_RDWR)                       # being moved elsewhere
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        assert not memory.give(fork / "memory.img", SIZE)
+    finally:
+        os.close(lock)
+    assert not list(fork.iterdir())
+    assert memory.give(fork / "memory.img", SIZE)
+    assert disk.give(empty(fork / "disk.img"), SIZE)                  # over the empty disk
+    assert not memory.path.exists() and not disk.path.exists()
+    assert not memory.give(fork / "other.img", SIZE)                  # none left
+    for image in ("memory.img", "disk.img"):
+        assert store.lineage(fork / image) == (c.id, "clean")
+        assert store.restore(a.id, fork / image, written=NOTHING_WRITTEN).tracked
+        assert digest(fork / image) == a_hash
+    assert digest(standby.path) == c_hash                            # the standby stays
+
+    standby.prepare_spares(b.id, a.id)   # anew: the standby cloned, the layers
+    standby.wait()
+    assert standby.failure is None
+    assert digest(memory.path) == b_hash and store.lineage(memory.path) == (b.id, "clean")
+    assert digest(disk.path) == a_hash and store.lineage(disk.path) == (a.id, "clean")
+    forget_lineage(disk.path)            # a move cut short: replaced, not trusted
+    assert not disk.give(fork / "disk2.img", SIZE)
+    standby.prepare(c.id, b.id)
+    standby.wait()
+    assert digest(disk.path) == b_hash and store.lineage(disk.path) == (b.id, "clean")
+    assert not [p.name for p in vm.iterdir() if p.name.startswith(".")]
+
+
+def test_spares_moved_beside_a_removal_never_give_wrong_bytes(store, xfs):
+    """Snapshots removed (and the store's gc run) while the spares are moved
+    from one to the next: a spare given is either trusted and right, or not
+    trusted (a restore then compares it whole) and still right."""
+    rnd = random.Random(10)
+    taken = snapshots(store, xfs, rnd, 8)
+    vm = xfs / "vm"
+    vm.mkdir()
+    standby = Standby(store, vm)
+    standby.prepare(taken[0][0].id, taken[0][0].id)
+    standby.wait()
+    keep = taken[-1]
+    failed = []
+
+    def remove() -> None:
+        try:
+            for snap, _ in taken[1:-1]:
+                store.rm(snap.id)
+                store.gc(Policy(keep_within=3600))   # keeps the rest, sweeps files
+        except Exception as e:   # noqa: BLE001 - reported by the test
+            failed.append(e)
+
+    removing = threading.Thread(target=remove)
+    removing.start()
+    for snap, _ in taken[1:-1]:
+        standby.prepare(snap.id, snap.id)    # fails quietly once snap is gone
+    removing.join()
+    standby.wait()
+    assert not failed
+    for n, spare in enumerate((standby.memory_spare, standby.disk_spare)):
+        image = xfs / f"fork{n}.img"
+        if spare.give(image, SIZE):
+            known, _ = store.lineage(image)
+            written = NOTHING_WRITTEN if known else None
+        else:
+            written = None
+            empty(image)
+        store.restore(keep[0].id, image, written=written)
+        assert digest(image) == keep[1]
+    assert store.verify() == {}
 
 
 def test_a_standby_that_cannot_be_trusted_is_not_taken(store, xfs):
@@ -160,12 +257,14 @@ def test_a_standby_that_cannot_be_trusted_is_not_taken(store, xfs):
 @settings(max_examples=20, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1),
-       steps=st.lists(st.tuples(st.sampled_from(["prepare", "restore", "checkpoint", "fork"]),
+       steps=st.lists(st.tuples(st.sampled_from(["prepare", "restore", "checkpoint", "fork",
+                                                 "spares"]),
                                 st.integers(0, 5)), min_size=1, max_size=12))
 def test_restores_through_the_standby_always_give_the_snapshot(store, xfs, seed, steps):
-    """Random checkpoints, restores and preparations of a VM's memory image,
-    the guest writing it between them, as a sandbox does: every restore
-    through the standby gives its snapshot byte for byte."""
+    """Random checkpoints, restores, forks and preparations of a VM's memory
+    image, the guest writing it between them, as a sandbox does: every
+    restore through the standby, and every fork through a spare or a copy
+    of the standby, gives its snapshot byte for byte."""
     rnd = random.Random(seed)
     vm = Path(tempfile.mkdtemp(dir=xfs))
     standby = Standby(store, vm)
@@ -175,19 +274,30 @@ def test_restores_through_the_standby_always_give_the_snapshot(store, xfs, seed,
     taken = [(store.commit(image), digest(image))]
     for op, k in steps:
         snap, want = taken[k % len(taken)]
-        if op == "prepare":
-            standby.prepare(snap.id)
+        if op in ("prepare", "spares"):
+            other = taken[rnd.randrange(len(taken))][0]     # the disk's snapshot
+            if op == "prepare":
+                standby.prepare(snap.id, other.id)
+            else:
+                standby.prepare_spares(snap.id, other.id)
             standby.wait()
             assert standby.failure is None
         elif op == "checkpoint":
             scribble(image, rnd, rnd.randint(1, 10))
             taken.append((store.commit(image), digest(image)))
         elif op == "fork":
-            fork = empty(vm / "fork.img")
-            written = NOTHING_WRITTEN if standby.copy_to(fork, SIZE, snap.id) else None
+            fork, disk = vm / "fork.img", empty(vm / "disk.img")
+            if standby.memory_spare.give(fork, SIZE):
+                written = NOTHING_WRITTEN
+            else:
+                empty(fork)
+                written = NOTHING_WRITTEN if standby.copy_to(fork, SIZE, snap.id) else None
             store.restore(snap.id, fork, written=written)
-            assert digest(fork) == want
+            written = NOTHING_WRITTEN if standby.disk_spare.give(disk, SIZE) else None
+            store.restore(snap.id, disk, written=written)
+            assert digest(fork) == want and digest(disk) == want
             fork.unlink()
+            disk.unlink()
         else:
             written = NOTHING_WRITTEN if standby.take(image, SIZE) else None
             store.restore(snap.id, image, written=written)

@@ -140,17 +140,30 @@ def test_restores_start_from_the_standby_and_bring_back_each_checkpoint(store, b
     box.standby.wait()
     assert box.standby.failure is None
     assert not [p.name for p in box.directory.iterdir() if p.name.startswith(".memory")]
-    # A fork starts from a copy of the standby (at "first"), brought to
-    # "second"; the standby stays, clean at "first".
+    # A fork takes the spares (a copy of the standby at "first", the disk
+    # at "first"), brought to "second"; the standby stays, clean at "first".
     fork = box.fork(second, "fork")
     try:
-        assert fork.memory_from_standby
+        assert (fork.memory_source, fork.disk_source) == ("spare", "spare")
         assert not alive(fork, pid) and run(fork, "cat /later") == "later\n"
         assert stat.S_IMODE(os.stat(fork.machine.memory_image).st_mode) == 0o600
         assert store.lineage(box.standby.path) == (store.get(first).meta[MEMORY_KEY], "clean")
         assert alive(box, pid) and payload_hash(box) == digest
+        # The next fork, at once: the spares are being made anew, so it
+        # copies the standby or fills from the layers; the same either way.
+        again = box.fork(first, "again")
+        try:
+            assert again.memory_source in ("spare", "standby copy", "")
+            assert alive(again, pid) and payload_hash(again) == digest
+            assert again.exec("test -e /later").status == 1
+        finally:
+            again.destroy()
     finally:
         fork.destroy()
+    box.standby.wait()
+    assert box.standby.failure is None
+    spares = box.standby.memory_spare, box.standby.disk_spare
+    assert all(store.lineage(spare.path)[1] == "clean" for spare in spares)
     assert store.verify() == {}
 
 

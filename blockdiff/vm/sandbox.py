@@ -131,9 +131,12 @@ class Sandbox:
         self.config = self.vm.config
         self.disk = self.vm.disk
         self.standby = Standby(self.store, self.directory)
-        # Whether the memory image of the last restore or fork with memory was
-        # a standby (blockdiff.vm.standby).
-        self.memory_from_standby = False
+        # Where the memory image of the last restore or fork with memory came
+        # from (see blockdiff.vm.standby): "standby" (a restore swapped it
+        # in), "spare" (a fork took it), "standby copy" (a fork cloned it),
+        # "" (filled from the layers, or compared whole); of its disk, "spare"
+        # (a fork took it) or "".
+        self.memory_source = self.disk_source = ""
         self.ephemeral = False
         # Seconds to wait for the guest daemon's answer to a freeze, a thaw or
         # a detach before treating the guest as unresponsive.
@@ -409,7 +412,7 @@ class Sandbox:
             (self.directory / RAN).unlink(missing_ok=True)
             marker.unlink()
             if memory_snap is not None:
-                self.standby.prepare(memory_snap.id)
+                self.standby.prepare(memory_snap.id, snap.id)
             self.last_checkpoint = CheckpointTiming(
                 frozen - start, pause.seconds, time.monotonic() - start,
                 pause.written is not None, memory,
@@ -553,7 +556,8 @@ class Sandbox:
         memory_snap = None if disk_only else self._memory_of(snap, self.machine)
         with self._lock():
             start = time.monotonic()
-            rebooted = tracked = self.memory_from_standby = False
+            rebooted = tracked = False
+            self.memory_source = ""
             if memory_snap is not None:
                 written = None
                 if self.machine.running:
@@ -564,10 +568,10 @@ class Sandbox:
                 self._kill()
                 killed = time.monotonic()
                 (self.directory / RESUME_FROM).unlink(missing_ok=True)
-                self.memory_from_standby = self.standby.take(self.machine.memory_image,
-                                                       memory_snap.size)
+                if self.standby.take(self.machine.memory_image, memory_snap.size):
+                    self.memory_source = "standby"
                 self._resume(snap, memory_snap, timeout, written=written,
-                             from_standby=self.memory_from_standby)
+                             from_standby=bool(self.memory_source))
                 tracked = written is not None
                 self.last_restore_phases = {"stop": killed - start} | self.last_restore_phases
             elif not self.machine.running:
@@ -582,7 +586,8 @@ class Sandbox:
                 else:
                     tracked = swapped
             self.last_restore = RestoreTiming(time.monotonic() - start, rebooted, tracked,
-                                              memory_snap is not None, self.memory_from_standby)
+                                              memory_snap is not None,
+                                              self.memory_source == "standby")
             return self.last_restore
 
     def _resume(self, snap: Snapshot, memory_snap: Snapshot, timeout: float, *,
@@ -596,7 +601,7 @@ class Sandbox:
         QEMU starts meanwhile. ``fresh``: both files are new and empty (a
         fork's), so that the page cache of the memory image holds nothing;
         the check of the disk's layers goes to ``progress``.
-        ``from_standby``: the memory image is a standby (see
+        ``from_standby``: the memory image is a standby or a spare (see
         blockdiff.vm.standby) or a copy of one, clean at its snapshot.
         ``last_restore_phases`` says how long each took."""
         phases = self.last_restore_phases = {}
@@ -647,8 +652,8 @@ class Sandbox:
             self.machine.launch(timeout, incoming=True, hot=self._hot_memory(memory_snap.id),
                                 mark=restore())
         if not fresh:
-            # For the next restore, while the guest runs.
-            self.standby.prepare(memory_snap.id)
+            # For the next restore or fork, while the guest runs.
+            self.standby.prepare(memory_snap.id, snap.id)
 
     def _hot_memory(self, memory_snapshot_id: str):
         """The parts of the memory image that the last few checkpoints up to
@@ -753,9 +758,10 @@ class Sandbox:
         if need be). From a checkpoint with memory (unless ``disk_only``) it
         takes the checkpoint's memory size and CPUs and resumes its processes
         instead of booting (when started, if ``start`` is False); otherwise
-        ``memory_mb`` and ``cpus``, and a boot. ``_standby``: a standby
-        memory image (of the VM forked) to copy, if it is there and not
-        being prepared, instead of filling a new memory image whole."""
+        ``memory_mb`` and ``cpus``, and a boot. ``_standby``: the standby
+        of the VM forked, whose spares it takes, or else whose standby it
+        copies, if there and not being prepared, instead of filling a new
+        memory image and disk whole."""
         store = as_store(store)
         snap = store.get(snapshot_id)
         memory_snap = None
@@ -780,21 +786,38 @@ class Sandbox:
         if memory_snap is not None:
             try:
                 other._check_machine(snap, memory_snap, other.machine)
-                _empty_file(other.machine.memory_image, memory_snap.size, 0o600)   # guest RAM
-                # Before QEMU starts: a clone beside its start slowed both (in
-                # four benchmark runs each way, QEMU's start and the memory's
-                # restore took 100-117 ms against 169-216, medians).
-                other.memory_from_standby = _standby is not None and _standby.copy_to(
-                    other.machine.memory_image, memory_snap.size, memory_snap.id)
+                other.memory_source = other._new_memory_image(memory_snap, _standby)
+                if _standby is not None and _standby.disk_spare.give(other.disk, snap.size):
+                    other.disk_source = "spare"
                 with other._lock():
                     other._resume(snap, memory_snap, timeout, start=start, fresh=True,
-                                  from_standby=other.memory_from_standby, progress=progress)
+                                  from_standby=bool(other.memory_source), progress=progress,
+                                  written=NOTHING_WRITTEN if other.disk_source else None)
             except BaseException:
                 other.destroy()
                 raise
+            if "spare" in (other.memory_source, other.disk_source):
+                # For the next fork, while this one runs.
+                _standby.prepare_spares(memory_snap.id, snap.id)
         elif start:
             other.start(timeout=timeout, progress=progress)
         return other
+
+
+    def _new_memory_image(self, memory_snap: Snapshot, standby: Standby | None) -> str:
+        """This new VM's memory image, at the size of ``memory_snap``: the
+        memory spare of ``standby`` ("spare"), or else a copy of the standby
+        ("standby copy"), or else empty (""). See blockdiff.vm.standby."""
+        image, size = self.machine.memory_image, memory_snap.size
+        if standby is not None and standby.memory_spare.give(image, size):
+            return "spare"
+        _empty_file(image, size, 0o600)   # guest RAM
+        # Before QEMU starts: a clone beside its start slowed both (in four
+        # benchmark runs each way, QEMU's start and the memory's restore took
+        # 100-117 ms against 169-216, medians).
+        if standby is not None and standby.copy_to(image, size, memory_snap.id):
+            return "standby copy"
+        return ""
 
 
 def _empty_file(path: Path, size: int, mode: int) -> None:
