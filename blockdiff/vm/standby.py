@@ -74,10 +74,11 @@ class Spare:
     take by rename (``give``); ``move`` brings it to another snapshot. Its
     lock is ``NAME.lock`` beside it; new ones are built as ``.NAME.new``."""
 
-    def __init__(self, store: Store, path: Path, mode: int):
+    def __init__(self, store: Store, path: Path, mode: int, *, warm: bool = False):
         self.store = store
         self.path = path
         self.mode = mode
+        self.warm = warm
         self.lock_path = path.with_name(f"{path.name}.lock")
         self._building = path.with_name(f".{path.name}.new")
 
@@ -110,6 +111,8 @@ class Spare:
                 self._build(snapshot_id, size, clone_of)
             if self.store.lineage(self.path)[0] != snapshot_id:
                 self.store.restore(snapshot_id, self.path, written=NOTHING_WRITTEN)
+            if self.warm:
+                warm_whole(self.path)
 
     def _build(self, snapshot_id: str, size: int, clone_of: Path | None) -> None:
         """A new spare, renamed into place once whole: a clone of
@@ -130,7 +133,8 @@ class Standby:
         self._building = directory / f".{STANDBY}.new"
         self._swapping = directory / f".{STANDBY}.swap"
         self._lock_path = directory / STANDBY_LOCK
-        self.memory_spare = Spare(store, directory / MEMORY_SPARE, 0o600)   # guest RAM
+        self.memory_spare = Spare(store, directory / MEMORY_SPARE, 0o600,   # guest RAM
+                                  warm=True)
         self.disk_spare = Spare(store, directory / DISK_SPARE, 0o666)   # as a fork's disk
         self._thread: threading.Thread | None = None
         # Why the last preparation (or copy) failed (None if it did not): a
@@ -263,11 +267,16 @@ class Standby:
             self.path.unlink(missing_ok=True)
             build(self.store, self._building, self.path, size, 0o600,
                   lambda fd: self.store.restore(memory_snapshot_id, self._building))
-        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            warm_page_cache(fd, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
+        warm_whole(self.path)
+
+
+def warm_whole(path: Path) -> None:
+    """The page cache of the image at ``path`` filled in 4 KiB folios."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        warm_page_cache(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
 
 
 def holds(path: Path, size: int) -> bool:
