@@ -130,7 +130,7 @@ def test_forks_take_the_spares_which_are_then_made_anew(store, xfs):
 
     standby.prepare(a.id, b.id)          # built: a clone of the standby, from the layers
     standby.wait()
-    assert standby.failure is None
+    assert standby.failure is None and standby.spares_failure is None
     assert digest(memory.path) == a_hash and store.lineage(memory.path) == (a.id, "clean")
     assert digest(disk.path) == b_hash and store.lineage(disk.path) == (b.id, "clean")
     assert stat.S_IMODE(os.stat(memory.path).st_mode) == 0o600        # guest RAM
@@ -160,7 +160,7 @@ def test_forks_take_the_spares_which_are_then_made_anew(store, xfs):
 
     standby.prepare_spares(b.id, a.id)   # anew: the standby cloned, the layers
     standby.wait()
-    assert standby.failure is None
+    assert standby.spares_failure is None
     assert digest(memory.path) == b_hash and store.lineage(memory.path) == (b.id, "clean")
     assert digest(disk.path) == a_hash and store.lineage(disk.path) == (a.id, "clean")
     forget_lineage(disk.path)            # a move cut short: replaced, not trusted
@@ -281,7 +281,7 @@ def test_restores_through_the_standby_always_give_the_snapshot(store, xfs, seed,
             else:
                 standby.prepare_spares(snap.id, other.id)
             standby.wait()
-            assert standby.failure is None
+            assert standby.failure is None and standby.spares_failure is None
         elif op == "checkpoint":
             scribble(image, rnd, rnd.randint(1, 10))
             taken.append((store.commit(image), digest(image)))

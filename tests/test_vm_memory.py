@@ -161,7 +161,7 @@ def test_restores_start_from_the_standby_and_bring_back_each_checkpoint(store, b
     finally:
         fork.destroy()
     box.standby.wait()
-    assert box.standby.failure is None
+    assert box.standby.failure is None and box.standby.spares_failure is None
     spares = box.standby.memory_spare, box.standby.disk_spare
     assert all(store.lineage(spare.path)[1] == "clean" for spare in spares)
     assert store.verify() == {}

@@ -136,39 +136,56 @@ class Standby:
         self.memory_spare = Spare(store, directory / MEMORY_SPARE, 0o600,   # guest RAM
                                   warm=True)
         self.disk_spare = Spare(store, directory / DISK_SPARE, 0o666)   # as a fork's disk
-        self._thread: threading.Thread | None = None
-        # Why the last preparation (or copy) failed (None if it did not): a
-        # thread must not print, and a standby only ever makes a restore or
-        # a fork faster.
+        self._thread: threading.Thread | None = None          # the standby's
+        self._spares_thread: threading.Thread | None = None   # the spares'
+        self._chaining = threading.Lock()   # the spares' threads, one after another
+        # Why the last preparation of the standby (or a copy of it), or of the
+        # spares, failed (None if it did not): a thread must not print, and
+        # these only ever make a restore or a fork faster.
         self.failure: Exception | None = None
+        self.spares_failure: Exception | None = None
 
     def prepare(self, memory_snapshot_id: str, disk_snapshot_id: str | None = None) -> None:
-        """Start bringing the standby and the memory spare to a memory
-        snapshot, and the disk spare to ``disk_snapshot_id`` (if given), in
-        the background (after the preparation under way, if any)."""
-        self.wait()
-        self._thread = threading.Thread(
-            target=self._prepare, args=(memory_snapshot_id, disk_snapshot_id),
-            name=f"standby {self.path.parent.name}")
+        """Start bringing the standby to a memory snapshot, in the background
+        (after the preparation of the standby under way, if any); then the
+        memory spare to the same snapshot and the disk spare to
+        ``disk_snapshot_id`` (if given), which restores do not wait for."""
+        self._join_standby()
+
+        def run() -> None:
+            self._prepare_standby(memory_snapshot_id)
+            self.prepare_spares(memory_snapshot_id, disk_snapshot_id)
+
+        self._thread = threading.Thread(target=run, name=f"standby {self.path.parent.name}")
         self._thread.start()
 
     def prepare_spares(self, memory_snapshot_id: str, disk_snapshot_id: str | None = None
                        ) -> None:
         """Start bringing the spares to these snapshots (once a fork took
-        them, anew), in the background, after the preparation under way,
-        if any, without waiting for it."""
-        previous = self._thread
+        them, anew), in the background, after the spares' preparation under
+        way, if any, without waiting for it."""
+        with self._chaining:
+            previous = self._spares_thread
 
-        def run() -> None:
-            if previous is not None:
-                previous.join()
-            self._prepare(None, disk_snapshot_id, memory_snapshot_id)
+            def run() -> None:
+                if previous is not None:
+                    previous.join()
+                self._prepare_spares(memory_snapshot_id, disk_snapshot_id)
 
-        self._thread = threading.Thread(target=run, name=f"spares {self.path.parent.name}")
-        self._thread.start()
+            self._spares_thread = threading.Thread(target=run,
+                                                   name=f"spares {self.path.parent.name}")
+            self._spares_thread.start()
 
     def wait(self) -> None:
-        """Until this process's preparation of the standby, if any, is done."""
+        """Until this process's preparations of the standby and the spares,
+        if any, are done."""
+        self._join_standby()      # which may start the spares' first
+        with self._chaining:
+            last = self._spares_thread
+        if last is not None:
+            last.join()         # after those before it
+
+    def _join_standby(self) -> None:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -179,7 +196,7 @@ class Standby:
         then says which); False, and nothing changed, if there is none to
         take. The old image is the next standby, once prepared: its page
         cache is mostly what the next one needs."""
-        self.wait()
+        self._join_standby()
         with locked(self._lock_path, wait=False) as had:
             if not had or not clean(self.store, self.path, size):
                 return False
@@ -235,39 +252,44 @@ class Standby:
         rewritten, _ = pieces_within(wanted, differ.offset, differ.offset + differ.length)
         return 2 * len(rewritten) < len(wanted)
 
-    def _prepare(self, memory_snapshot_id: str | None, disk_snapshot_id: str | None,
-                 spare_at: str | None = None) -> None:
-        """The standby brought to ``memory_snapshot_id`` (None: left as it
-        is, only read), the memory spare to ``spare_at`` (by default where
-        the standby is), the disk spare to ``disk_snapshot_id`` (if given)."""
+    def _prepare_standby(self, memory_snapshot_id: str) -> None:
         self.failure = None
         try:
-            with locked(self._lock_path, wait=True, shared=memory_snapshot_id is None):
-                if memory_snapshot_id is not None:
-                    self._prepare_standby(memory_snapshot_id)
-                spare_at = spare_at or memory_snapshot_id
-                if spare_at is not None:
-                    self.memory_spare.move(spare_at, clone_of=self.path)
-            if disk_snapshot_id is not None:
-                self.disk_spare.move(disk_snapshot_id)
+            with locked(self._lock_path, wait=True):
+                self._swapping.unlink(missing_ok=True)   # left by a swap cut short
+                size = self.store.get(memory_snapshot_id).size
+                if clean(self.store, self.path, size):
+                    self.store.restore(memory_snapshot_id, self.path,
+                                       written=NOTHING_WRITTEN)
+                elif holds(self.path, size):
+                    # An old memory image: compared whole (written back, mapped).
+                    self.store.restore(memory_snapshot_id, self.path)
+                else:
+                    self.path.unlink(missing_ok=True)
+                    build(self.store, self._building, self.path, size, 0o600,
+                          lambda fd: self.store.restore(memory_snapshot_id, self._building))
+                warm_whole(self.path)
         except Exception as e:   # noqa: BLE001 - see failure
-            # An image left half-moved is marked "restoring" by its lineage:
-            # nothing takes it, and the next preparation replaces it.
+            # A standby left half-moved is marked "restoring" by its lineage:
+            # nothing takes it, and the next preparation compares it whole.
             self.failure = e
 
-    def _prepare_standby(self, memory_snapshot_id: str) -> None:
-        self._swapping.unlink(missing_ok=True)   # left by a swap cut short
-        size = self.store.get(memory_snapshot_id).size
-        if clean(self.store, self.path, size):
-            self.store.restore(memory_snapshot_id, self.path, written=NOTHING_WRITTEN)
-        elif holds(self.path, size):
-            # An old memory image: compared whole (written back, mapped).
-            self.store.restore(memory_snapshot_id, self.path)
-        else:
-            self.path.unlink(missing_ok=True)
-            build(self.store, self._building, self.path, size, 0o600,
-                  lambda fd: self.store.restore(memory_snapshot_id, self._building))
-        warm_whole(self.path)
+    def _prepare_spares(self, memory_snapshot_id: str, disk_snapshot_id: str | None) -> None:
+        self.spares_failure = None
+        try:
+            size = self.store.get(memory_snapshot_id).size
+            if clean(self.store, self.memory_spare.path, size):
+                self.memory_spare.move(memory_snapshot_id)
+            else:
+                # Cloned from the standby, which stays as it is meanwhile.
+                with locked(self._lock_path, wait=True, shared=True):
+                    self.memory_spare.move(memory_snapshot_id, clone_of=self.path)
+            if disk_snapshot_id is not None:
+                self.disk_spare.move(disk_snapshot_id)
+        except Exception as e:   # noqa: BLE001 - see spares_failure
+            # A spare left half-moved is marked "restoring" by its lineage:
+            # nothing takes it, and the next preparation replaces it.
+            self.spares_failure = e
 
 
 def warm_whole(path: Path) -> None:
