@@ -49,6 +49,8 @@ def test_end_to_end_tiny_run(tmp_path, capsys, scratch_xfs_possible):
     assert memory["restore_standby"] == [True] * 5
     assert len(memory["fork_source"]) == vm_bench.MEMORY_FORKS
     assert set(memory["fork_source"]) <= {"spare", "standby copy", ""}
+    # Forks of the checkpoint just taken, its spares ready, each take them.
+    assert memory["fork_latest_source"] == ["spare"] * vm_bench.LATEST_FORKS
     assert "the standby memory image was used by 5 of 5 restores" in printed
     # QEMU's own save holds every page the guest used (92-97 MB of 256 MiB
     # here, its zero pages left out), far more than a step stores.

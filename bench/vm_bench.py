@@ -36,7 +36,10 @@ a file, ``-incoming`` from it) and the disk-only checkpoint:
 - restore to running with the processes (QEMU killed, disk and memory
   restored, resumed until the guest daemon answered), at a random earlier
   step, and until a first command ran;
-- fork to running: a new VM resumed from a checkpoint, the same two ways.
+- fork to running: a new VM resumed from a random earlier checkpoint, the
+  same two ways, forks following each other; and from the checkpoint just
+  taken, each once the VM's spares are ready (an agent forking where it
+  is, between its steps).
 
 Checkpoints and swap restores read QEMU's dirty bitmap (all but the first
 checkpoint after a boot); the report says how many did.
@@ -219,6 +222,7 @@ def run(args) -> dict:
 
 
 MEMORY_FORKS = 5
+LATEST_FORKS = 3    # of the checkpoint just taken, each once its spares are ready
 DIRTY_MIB = 100
 BIG_STEPS = 3
 COUNTER = ("(i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done) "
@@ -285,6 +289,20 @@ def run_memory(args, store: Store, base: Path, image, pool_blocks: int, rnd: ran
         fork_command.append(time.monotonic() - start)
         assert other.exec(f"kill -0 {pid}").status == 0
         other.destroy()
+    # An agent forking where it is now (best-of-N from its current step),
+    # with its VM's spares prepared meanwhile, as between its steps.
+    latest, latest_source = [], []
+    assert box.exec(step_command(3000, pool_blocks, rnd)).status == 0
+    now = box.checkpoint("fork point")
+    for i in range(LATEST_FORKS):
+        box.standby.wait()
+        start = time.monotonic()
+        other = box.fork(now, f"latest-fork{i}")
+        latest.append(time.monotonic() - start)
+        latest_source.append(other.memory_source)
+        until_running(other)
+        assert other.exec(f"kill -0 {pid}").status == 0
+        other.destroy()
     qemu_save, qemu_restore, qemu_command, saved_bytes = full_ram_save_restore(
         store, base, image, work)
     # The same small steps on a VM whose page cache is not warmed in 4 KiB
@@ -314,6 +332,7 @@ def run_memory(args, store: Store, base: Path, image, pool_blocks: int, rnd: ran
             "restore_phases": phases, "restore_standby": restore_standby,
             "fork": stats(fork), "fork_command": stats(fork_command),
             "fork_phases": fork_phases, "fork_source": fork_source,
+            "fork_latest": stats(latest), "fork_latest_source": latest_source,
             "qemu_save_paused": stats(qemu_save), "qemu_restore": stats(qemu_restore),
             "qemu_restore_command": stats(qemu_command),
             "qemu_saved_bytes": saved_bytes, "unwarmed_stored": stats(unwarmed[1:])}
@@ -473,6 +492,9 @@ def memory_table(r: dict) -> str:
            f"{m['fork']['p50'] / cold:.2f}× a cold boot |",
            f"| … and a first command run | {ms(m['fork_command']['p50'])} | – | "
            f"{m['fork_command']['p50'] / cold_command:.2f}× a cold boot and a command |",
+           f"| fork of the checkpoint just taken, to running | "
+           f"{ms(m['fork_latest']['p50'])} | – | {m['fork_latest']['p50'] / cold:.2f}× a cold "
+           f"boot |",
            f"| stored per small step (RAM + device state) | {mib(m['stored']['p50'])} | – | "
            f"of {mib(m['compared']['p50'])} whose extents moved; {mib(m['borrowed']['p50'])} "
            f"more point into the disk snapshot's layer (page cache of what the step wrote); "
@@ -484,8 +506,11 @@ def memory_table(r: dict) -> str:
            f"running; the first checkpoint after the boot stored {mib(m['stored']['first'])}; "
            f"the standby memory image was used by {sum(m['restore_standby'])} of "
            f"{len(m['restore_standby'])} restores; of {len(m['fork_source'])} forks, "
-           f"{m['fork_source'].count('spare')} took the spare and "
-           f"{m['fork_source'].count('standby copy')} copied the standby."]
+           f"{m['fork_source'].count('spare')} took the spares and "
+           f"{m['fork_source'].count('standby copy')} copied the standby (the other "
+           f"forks follow them closely); {m['fork_latest_source'].count('spare')} of "
+           f"{len(m['fork_latest_source'])} forks of the checkpoint just taken took the "
+           f"spares."]
     return "\n".join(out)
 
 

@@ -797,8 +797,10 @@ class Sandbox:
                 other.destroy()
                 raise
             if "spare" in (other.memory_source, other.disk_source):
-                # For the next fork, while this one runs.
-                _standby.prepare_spares(memory_snap.id, snap.id)
+                # For the next fork, while this one runs: the memory spare a
+                # clone of the standby as it is (a move costs as much as the
+                # next fork saves, wherever it goes), the disk this fork's.
+                _standby.prepare_spares(None, snap.id)
         elif start:
             other.start(timeout=timeout, progress=progress)
         return other

@@ -159,15 +159,20 @@ class Standby:
         self._thread = threading.Thread(target=run, name=f"standby {self.path.parent.name}")
         self._thread.start()
 
-    def prepare_spares(self, memory_snapshot_id: str, disk_snapshot_id: str | None = None
-                       ) -> None:
+    def prepare_spares(self, memory_snapshot_id: str | None,
+                       disk_snapshot_id: str | None = None) -> None:
         """Start bringing the spares to these snapshots (once a fork took
-        them, anew), in the background, after the spares' preparation under
-        way, if any, without waiting for it."""
+        them, anew; the memory spare by default where the standby is), in
+        the background, after the spares' preparation under way, if any,
+        without waiting for it."""
         with self._chaining:
             previous = self._spares_thread
 
             def run() -> None:
+                # Only on time no other thread wants: a restore, a fork or a
+                # guest must not wait for a spare (this thread only, on Linux).
+                with contextlib.suppress(OSError, AttributeError):
+                    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
                 if previous is not None:
                     previous.join()
                 self._prepare_spares(memory_snapshot_id, disk_snapshot_id)
@@ -274,16 +279,20 @@ class Standby:
             # nothing takes it, and the next preparation compares it whole.
             self.failure = e
 
-    def _prepare_spares(self, memory_snapshot_id: str, disk_snapshot_id: str | None) -> None:
+    def _prepare_spares(self, memory_snapshot_id: str | None,
+                        disk_snapshot_id: str | None) -> None:
         self.spares_failure = None
         try:
-            size = self.store.get(memory_snapshot_id).size
-            if clean(self.store, self.memory_spare.path, size):
+            if memory_snapshot_id is not None and clean(
+                    self.store, self.memory_spare.path, self.store.get(memory_snapshot_id).size):
                 self.memory_spare.move(memory_snapshot_id)
             else:
                 # Cloned from the standby, which stays as it is meanwhile.
                 with locked(self._lock_path, wait=True, shared=True):
-                    self.memory_spare.move(memory_snapshot_id, clone_of=self.path)
+                    known, state = self.store.lineage(self.path)
+                    target = memory_snapshot_id or (known if state == "clean" else None)
+                    if target is not None:
+                        self.memory_spare.move(target, clone_of=self.path)
             if disk_snapshot_id is not None:
                 self.disk_spare.move(disk_snapshot_id)
         except Exception as e:   # noqa: BLE001 - see spares_failure
