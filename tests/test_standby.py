@@ -168,6 +168,12 @@ def test_forks_take_the_spares_which_are_then_made_anew(store, xfs):
     standby.prepare(c.id, b.id)
     standby.wait()
     assert digest(disk.path) == b_hash and store.lineage(disk.path) == (b.id, "clean")
+    # Once a fork took it, the memory spare by default a clone of the standby.
+    assert memory.give(fork / "memory2.img", SIZE)
+    standby.prepare_spares(None)
+    standby.wait()
+    assert standby.spares_failure is None
+    assert digest(memory.path) == c_hash and store.lineage(memory.path) == (c.id, "clean")
     assert not [p.name for p in vm.iterdir() if p.name.startswith(".")]
 
 

@@ -10,6 +10,7 @@ host (the disk is byte-identical to the snapshot, fork by fork).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -355,7 +356,10 @@ def test_cli_lifecycle_outlives_each_command(store, vm_image, xfs):
     restored = _cli("vm", "restore", "cli", first_id, env=env, check=True)
     assert "running" in restored.stdout
     assert _cli("vm", "exec", "cli", "--", "cat", "/f", env=env).stdout == "one\n"
-    _cli("vm", "fork", "cli", first_id, "cli2", "--no-start", env=env, check=True)
+    # The restore's process left the VM's spares at "one" as it exited.
+    forked = json.loads(_cli("vm", "fork", "cli", first_id, "cli2", "--no-start", "--json",
+                             env=env, check=True).stdout)
+    assert (forked["memory_from"], forked["disk_from"]) == ("spare", "spare")
     ls = _cli("vm", "ls", env=env, check=True).stdout
     assert "cli " in ls and "running" in ls and "cli2" in ls and "stopped" in ls
     timeout = _cli("vm", "exec", "cli", "--timeout", "0.5", "--", "sleep", "10", env=env)

@@ -253,12 +253,15 @@ def vm_fork(name, snapshot_id, new_name, store_path, no_start, disk_only, as_jso
     box = _sandbox(store_path, name)
     snapshot_id = box.store.resolve(snapshot_id)
     with progress_bar("vm fork", as_json=as_json) as progress:
-        box.fork(snapshot_id, new_name, start=not no_start, disk_only=disk_only,
+        other = box.fork(snapshot_id, new_name, start=not no_start, disk_only=disk_only,
                          progress=progress)
     resumed = not disk_only and "vm.memory" in box.store.get(snapshot_id).meta
     if as_json:
+        sources = {"spare": "spare", "standby copy": "standby", "": "layers"}
         return emit_json({"vm": new_name, "forked_from": snapshot_id, "running": not no_start,
-                          "memory": resumed})
+                          "memory": resumed,
+                          "memory_from": sources[other.memory_source] if resumed else None,
+                          "disk_from": sources[other.disk_source]})
     state = "" if no_start else (", resumed with its processes" if resumed else ", booted")
     click.echo(f"VM {new_name} forked from {snapshot_id}{state}")
 

@@ -799,7 +799,8 @@ class Sandbox:
             if "spare" in (other.memory_source, other.disk_source):
                 # For the next fork, while this one runs: the memory spare a
                 # clone of the standby as it is (a move costs as much as the
-                # next fork saves, wherever it goes), the disk this fork's.
+                # next fork saves, wherever it goes), the disk this fork's;
+                # at once, since forks often come in a row.
                 _standby.prepare_spares(None, snap.id)
         elif start:
             other.start(timeout=timeout, progress=progress)

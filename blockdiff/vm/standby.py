@@ -154,25 +154,27 @@ class Standby:
 
         def run() -> None:
             self._prepare_standby(memory_snapshot_id)
-            self.prepare_spares(memory_snapshot_id, disk_snapshot_id)
+            # Moved a step on, for a fork that may not come: never at the
+            # cost of a restore, a fork or a guest.
+            self.prepare_spares(memory_snapshot_id, disk_snapshot_id, idle=True)
 
         self._thread = threading.Thread(target=run, name=f"standby {self.path.parent.name}")
         self._thread.start()
 
     def prepare_spares(self, memory_snapshot_id: str | None,
-                       disk_snapshot_id: str | None = None) -> None:
+                       disk_snapshot_id: str | None = None, *, idle: bool = False) -> None:
         """Start bringing the spares to these snapshots (once a fork took
         them, anew; the memory spare by default where the standby is), in
         the background, after the spares' preparation under way, if any,
-        without waiting for it."""
+        without waiting for it. ``idle``: only on CPU time nothing else
+        wants (``SCHED_IDLE``, this thread only)."""
         with self._chaining:
             previous = self._spares_thread
 
             def run() -> None:
-                # Only on time no other thread wants: a restore, a fork or a
-                # guest must not wait for a spare (this thread only, on Linux).
-                with contextlib.suppress(OSError, AttributeError):
-                    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+                if idle:
+                    with contextlib.suppress(OSError, AttributeError):
+                        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
                 if previous is not None:
                     previous.join()
                 self._prepare_spares(memory_snapshot_id, disk_snapshot_id)
