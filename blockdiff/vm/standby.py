@@ -166,15 +166,16 @@ class Standby:
         """Start bringing the spares to these snapshots (once a fork took
         them, anew; the memory spare by default where the standby is), in
         the background, after the spares' preparation under way, if any,
-        without waiting for it. ``idle``: only on CPU time nothing else
-        wants (``SCHED_IDLE``, this thread only)."""
+        without waiting for it. ``idle``: at the lowest priority (nice 19,
+        this thread only), which still moves on when every core is busy, as
+        ``SCHED_IDLE`` would not: a command's process waits for it to exit."""
         with self._chaining:
             previous = self._spares_thread
 
             def run() -> None:
                 if idle:
-                    with contextlib.suppress(OSError, AttributeError):
-                        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+                    with contextlib.suppress(OSError):
+                        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
                 if previous is not None:
                     previous.join()
                 self._prepare_spares(memory_snapshot_id, disk_snapshot_id)
