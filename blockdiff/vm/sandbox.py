@@ -598,9 +598,10 @@ class Sandbox:
         already: not ``disk``; ``written`` as for ``Store.restore``) and the
         memory image restored to the checkpoint, then (``start``) a QEMU
         resumed from them. Where both are restored in place at their sizes,
-        QEMU starts meanwhile. ``fresh``: both files are new and empty (a
-        fork's), so that the page cache of the memory image holds nothing;
-        the check of the disk's layers goes to ``progress``.
+        QEMU starts meanwhile. ``fresh``: both files are a fork's new ones
+        (empty, or spares), whose memory image's page cache is warmed where
+        the guest likely writes before it runs, the rest after; the check of
+        the disk's layers goes to ``progress``.
         ``from_standby``: the memory image is a standby or a spare (see
         blockdiff.vm.standby) or a copy of one, clean at its snapshot.
         ``last_restore_phases`` says how long each took."""
@@ -805,7 +806,6 @@ class Sandbox:
         elif start:
             other.start(timeout=timeout, progress=progress)
         return other
-
 
     def _new_memory_image(self, memory_snap: Snapshot, standby: Standby | None) -> str:
         """This new VM's memory image, at the size of ``memory_snap``: the
