@@ -1,5 +1,6 @@
 """A VM's standby memory image: a second memory image, kept clean at one of
-its memory snapshots, that restores and forks start from.
+its memory snapshots, that restores start from; and its spares, a memory
+image and a disk kept clean the same way, that forks take.
 
 A restore with memory could rewrite the dead VM's own memory image in place,
 but only after writing back, and mapping, all the RAM its guest dirtied since
@@ -26,18 +27,19 @@ write back or map first.
   the restore's path); built from the layers where there is none. Its page
   cache is then warmed in 4 KiB folios (see
   ``blockdiff.vm.machine.warm_page_cache``), so that a guest resumed on it
-  neither faults it in nor dirties it in large folios. The memory spare is
-  then moved to the same snapshot (made a clone of the standby where there
-  is none), and the disk spare to the checkpoint's disk (filled from the
-  layers where there is none); after a fork took them, made anew
-  (``prepare_spares``).
+  neither faults it in nor dirties it in large folios. Then, in a thread of
+  their own at the lowest priority, which restores do not wait for, the
+  memory spare is moved to the same snapshot (made a clone of the standby
+  where there is none) and warmed the same way, and the disk spare to the
+  checkpoint's disk (filled from the layers where there is none). After a
+  fork took them, they are made anew at once (``prepare_spares``).
 
 Whoever prepares, takes or swaps the standby holds its lock exclusively;
 whoever copies it, the memory spare's clone included, shares it. Each spare
 has a lock of its own, taken after the standby's. A restore or fork that
 finds one locked by another, or missing, or not clean at a snapshot the
-store still has, does without. The thread is not a daemon: a process that
-exits waits for it, so that it leaves no half-built file.
+store still has, does without. The threads are not daemons: a process that
+exits waits for them, so that it leaves no half-built file.
 
 All three share every block with the layers of their snapshots: they cost
 the store no space while those snapshots stay, and at most an image's worth
