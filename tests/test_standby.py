@@ -177,6 +177,27 @@ def test_forks_take_the_spares_which_are_then_made_anew(store, xfs):
     assert not [p.name for p in vm.iterdir() if p.name.startswith(".")]
 
 
+def test_spares_asked_for_in_a_row_end_where_the_last_asked(store, xfs):
+    """Checkpoints faster than the spares move: one thread at a time, which
+    skips to the last snapshot asked for instead of a backlog of moves."""
+    rnd = random.Random(11)
+    taken = snapshots(store, xfs, rnd, 6)
+    vm = xfs / "vm"
+    vm.mkdir()
+    standby = Standby(store, vm)
+    standby.prepare(taken[0][0].id, taken[0][0].id)
+    standby.wait()
+    threads = threading.active_count()
+    for snap, _ in taken[1:]:
+        standby.prepare_spares(snap.id, snap.id, idle=True)
+        assert threading.active_count() <= threads + 1
+    standby.wait()
+    assert standby.spares_failure is None and threading.active_count() == threads
+    last, last_hash = taken[-1]
+    for spare in (standby.memory_spare, standby.disk_spare):
+        assert digest(spare.path) == last_hash and store.lineage(spare.path) == (last.id, "clean")
+
+
 def test_spares_moved_beside_a_removal_never_give_wrong_bytes(store, xfs):
     """Snapshots removed (and the store's gc run) while the spares are moved
     from one to the next: a spare given is either trusted and right, or not

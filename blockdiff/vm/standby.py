@@ -140,7 +140,8 @@ class Standby:
         self.disk_spare = Spare(store, directory / DISK_SPARE, 0o666)   # as a fork's disk
         self._thread: threading.Thread | None = None          # the standby's
         self._spares_thread: threading.Thread | None = None   # the spares'
-        self._chaining = threading.Lock()   # the spares' threads, one after another
+        self._spares_wanted: tuple | None = None   # what it is to do next
+        self._chaining = threading.Lock()          # guards both
         # Why the last preparation of the standby (or a copy of it), or of the
         # spares, failed (None if it did not): a thread must not print, and
         # these only ever make a restore or a fork faster.
@@ -167,33 +168,29 @@ class Standby:
                        disk_snapshot_id: str | None = None, *, idle: bool = False) -> None:
         """Start bringing the spares to these snapshots (once a fork took
         them, anew; the memory spare by default where the standby is), in
-        the background, after the spares' preparation under way, if any,
-        without waiting for it. ``idle``: at the lowest priority (nice 19,
-        this thread only), which still moves on when every core is busy, as
-        ``SCHED_IDLE`` would not: a command's process waits for it to exit."""
+        the background, without waiting for the spares' preparation under
+        way, if any: after it, and in its place if it has not begun (only
+        the last one asked for is made). ``idle``: at the lowest priority
+        (nice 19, that thread only), which still moves on when every core is
+        busy, as ``SCHED_IDLE`` would not: a command's process waits for its
+        threads to exit."""
         with self._chaining:
-            previous = self._spares_thread
-
-            def run() -> None:
-                if idle:
-                    with contextlib.suppress(OSError):
-                        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-                if previous is not None:
-                    previous.join()
-                self._prepare_spares(memory_snapshot_id, disk_snapshot_id)
-
-            self._spares_thread = threading.Thread(target=run,
-                                                   name=f"spares {self.path.parent.name}")
-            self._spares_thread.start()
+            self._spares_wanted = (memory_snapshot_id, disk_snapshot_id, idle)
+            if self._spares_thread is None:
+                self._spares_thread = threading.Thread(
+                    target=self._prepare_spares_wanted, name=f"spares {self.path.parent.name}")
+                self._spares_thread.start()
 
     def wait(self) -> None:
         """Until this process's preparations of the standby and the spares,
         if any, are done."""
-        self._join_standby()      # which may start the spares' first
-        with self._chaining:
-            last = self._spares_thread
-        if last is not None:
-            last.join()         # after those before it
+        self._join_standby()      # which may ask for the spares' first
+        while True:
+            with self._chaining:
+                thread = self._spares_thread
+            if thread is None:
+                return
+            thread.join()
 
     def _join_standby(self) -> None:
         if self._thread is not None:
@@ -283,6 +280,23 @@ class Standby:
             # A standby left half-moved is marked "restoring" by its lineage:
             # nothing takes it, and the next preparation compares it whole.
             self.failure = e
+
+    def _prepare_spares_wanted(self) -> None:
+        """The spares' thread: what was asked for last, until nothing is."""
+        me = threading.get_native_id()
+        usual = os.getpriority(os.PRIO_PROCESS, me)   # as the process runs
+        while True:
+            with self._chaining:
+                wanted, self._spares_wanted = self._spares_wanted, None
+                if wanted is None:
+                    self._spares_thread = None
+                    return
+            memory_snapshot_id, disk_snapshot_id, idle = wanted
+            # Back from 19 needs CAP_SYS_NICE: without it, a rebuild after a
+            # fork asked for while a move ran stays at 19.
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, me, 19 if idle else usual)
+            self._prepare_spares(memory_snapshot_id, disk_snapshot_id)
 
     def _prepare_spares(self, memory_snapshot_id: str | None,
                         disk_snapshot_id: str | None) -> None:
