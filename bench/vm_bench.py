@@ -229,6 +229,22 @@ COUNTER = ("(i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; 
            ">/dev/null 2>&1 & echo $!")
 
 
+def fork_to_running(box: Sandbox, snapshot_id: str, name: str, pid: int):
+    """Fork ``box`` at ``snapshot_id`` into ``name``, check that process
+    ``pid`` came along, and remove the fork: seconds until it resumed and
+    until a first command ran, its phases, where its memory image came
+    from."""
+    start = time.monotonic()
+    other = box.fork(snapshot_id, name)
+    resumed = time.monotonic() - start
+    phases = other.last_restore_phases | other.machine.last_launch
+    until_running(other)
+    command = time.monotonic() - start
+    assert other.exec(f"kill -0 {pid}").status == 0
+    other.destroy()
+    return resumed, command, phases, other.memory_source
+
+
 def run_memory(args, store: Store, base: Path, image, pool_blocks: int, rnd: random.Random,
                work: Path) -> dict:
     """The whole-VM rows (see the module's docstring)."""
@@ -278,31 +294,19 @@ def run_memory(args, store: Store, base: Path, image, pool_blocks: int, rnd: ran
         restore_standby.append(timing.standby)
         assert timing.memory and box.exec(f"kill -0 {pid}").status == 0
         assert box.exec("cat /data/last").stdout == f"{k}\n".encode()
-    fork, fork_command, fork_phases, fork_source = [], [], [], []
-    for i, k in enumerate(rnd.sample(range(args.memory_steps), MEMORY_FORKS)):
-        start = time.monotonic()
-        other = box.fork(ids[k], f"whole-fork{i}")
-        fork.append(time.monotonic() - start)
-        fork_phases.append(other.last_restore_phases | other.machine.last_launch)
-        fork_source.append(other.memory_source)
-        until_running(other)
-        fork_command.append(time.monotonic() - start)
-        assert other.exec(f"kill -0 {pid}").status == 0
-        other.destroy()
+    forks = [fork_to_running(box, ids[k], f"whole-fork{i}", pid)
+             for i, k in enumerate(rnd.sample(range(args.memory_steps), MEMORY_FORKS))]
+    fork, fork_command, fork_phases, fork_source = (list(column) for column in zip(*forks))
     # An agent forking where it is now (best-of-N from its current step),
     # with its VM's spares prepared meanwhile, as between its steps.
-    latest, latest_source = [], []
     assert box.exec(step_command(3000, pool_blocks, rnd)).status == 0
     now = box.checkpoint("fork point")
+    latest, latest_source = [], []
     for i in range(LATEST_FORKS):
         box.standby.wait()
-        start = time.monotonic()
-        other = box.fork(now, f"latest-fork{i}")
-        latest.append(time.monotonic() - start)
-        latest_source.append(other.memory_source)
-        until_running(other)
-        assert other.exec(f"kill -0 {pid}").status == 0
-        other.destroy()
+        seconds, _, _, source = fork_to_running(box, now, f"latest-fork{i}", pid)
+        latest.append(seconds)
+        latest_source.append(source)
     qemu_save, qemu_restore, qemu_command, saved_bytes = full_ram_save_restore(
         store, base, image, work)
     # The same small steps on a VM whose page cache is not warmed in 4 KiB

@@ -65,6 +65,18 @@ def snapshots(store: Store, work, rnd: random.Random, count: int) -> list:
     return taken
 
 
+def prepared_at_first(store: Store, xfs, rnd: random.Random, count: int):
+    """A VM's standby and spares prepared at the first of ``count`` new
+    snapshots (see ``snapshots``): ``(standby, snapshots)``."""
+    taken = snapshots(store, xfs, rnd, count)
+    vm = xfs / "vm"
+    vm.mkdir()
+    standby = Standby(store, vm)
+    standby.prepare(taken[0][0].id, taken[0][0].id)
+    standby.wait()
+    return standby, taken
+
+
 def test_a_standby_is_built_moved_taken_and_prepared_again(store, xfs):
     rnd = random.Random(7)
     (a, a_hash), (b, b_hash), (c, c_hash) = snapshots(store, xfs, rnd, 3)
@@ -180,13 +192,7 @@ def test_forks_take_the_spares_which_are_then_made_anew(store, xfs):
 def test_spares_asked_for_in_a_row_end_where_the_last_asked(store, xfs):
     """Checkpoints faster than the spares move: one thread at a time, which
     skips to the last snapshot asked for instead of a backlog of moves."""
-    rnd = random.Random(11)
-    taken = snapshots(store, xfs, rnd, 6)
-    vm = xfs / "vm"
-    vm.mkdir()
-    standby = Standby(store, vm)
-    standby.prepare(taken[0][0].id, taken[0][0].id)
-    standby.wait()
+    standby, taken = prepared_at_first(store, xfs, random.Random(11), 6)
     threads = threading.active_count()
     for snap, _ in taken[1:]:
         standby.prepare_spares(snap.id, snap.id, idle=True)
@@ -202,13 +208,7 @@ def test_spares_moved_beside_a_removal_never_give_wrong_bytes(store, xfs):
     """Snapshots removed (and the store's gc run) while the spares are moved
     from one to the next: a spare given is either trusted and right, or not
     trusted (a restore then compares it whole) and still right."""
-    rnd = random.Random(10)
-    taken = snapshots(store, xfs, rnd, 8)
-    vm = xfs / "vm"
-    vm.mkdir()
-    standby = Standby(store, vm)
-    standby.prepare(taken[0][0].id, taken[0][0].id)
-    standby.wait()
+    standby, taken = prepared_at_first(store, xfs, random.Random(10), 8)
     keep = taken[-1]
     failed = []
 

@@ -570,8 +570,7 @@ class Sandbox:
                 (self.directory / RESUME_FROM).unlink(missing_ok=True)
                 if self.standby.take(self.machine.memory_image, memory_snap.size):
                     self.memory_source = "standby"
-                self._resume(snap, memory_snap, timeout, written=written,
-                             from_standby=bool(self.memory_source))
+                self._resume(snap, memory_snap, timeout, written=written)
                 tracked = written is not None
                 self.last_restore_phases = {"stop": killed - start} | self.last_restore_phases
             elif not self.machine.running:
@@ -592,8 +591,7 @@ class Sandbox:
 
     def _resume(self, snap: Snapshot, memory_snap: Snapshot, timeout: float, *,
                 start: bool = True, disk: bool = True, written=None,
-                fresh: bool = False, from_standby: bool = False,
-                progress: Progress = NO_PROGRESS) -> None:
+                fresh: bool = False, progress: Progress = NO_PROGRESS) -> None:
         """With QEMU not running: the disk (unless it is the checkpoint's
         already: not ``disk``; ``written`` as for ``Store.restore``) and the
         memory image restored to the checkpoint, then (``start``) a QEMU
@@ -602,8 +600,9 @@ class Sandbox:
         (empty, or spares), whose memory image's page cache is warmed where
         the guest likely writes before it runs, the rest after; the check of
         the disk's layers goes to ``progress``.
-        ``from_standby``: the memory image is a standby or a spare (see
-        blockdiff.vm.standby) or a copy of one, clean at its snapshot.
+        ``memory_source`` says whether the memory image is a standby or a
+        spare (see blockdiff.vm.standby) or a copy of one, clean at its
+        snapshot.
         ``last_restore_phases`` says how long each took."""
         phases = self.last_restore_phases = {}
         image = self.machine.memory_image
@@ -613,7 +612,7 @@ class Sandbox:
         # back and map first. ``again``: QEMU ran on the image meanwhile.
         def restore_memory(again: bool = False) -> None:
             began = time.monotonic()
-            trusted = from_standby and not again
+            trusted = bool(self.memory_source) and not again
             self.store.restore(memory_snap.id, image,
                                written=NOTHING_WRITTEN if trusted else None)
             phases["memory"] = time.monotonic() - began
@@ -792,7 +791,7 @@ class Sandbox:
                     other.disk_source = "spare"
                 with other._lock():
                     other._resume(snap, memory_snap, timeout, start=start, fresh=True,
-                                  from_standby=bool(other.memory_source), progress=progress,
+                                  progress=progress,
                                   written=NOTHING_WRITTEN if other.disk_source else None)
             except BaseException:
                 other.destroy()
