@@ -279,7 +279,7 @@ def test_json_of_the_vm_commands_on_a_stopped_vm(xfs):
     back = as_json("vm", "restore", "box", root_snapshot[:6], env=env)
     assert back["snapshot"] == root_snapshot and back["running"] is False
     assert set(back) == {"vm", "snapshot", "running", "seconds", "rebooted", "tracked", "memory",
-                         "standby"}
+                         "standby", "prestarted"}
     human = cli("vm", "restore", "box", snap["id"][:8], env=env).stdout
     assert human.startswith(f"VM box at {snap['id']} (stopped")
     forked = as_json("vm", "fork", "box", snap["id"][:8], "box2", "--no-start", env=env)

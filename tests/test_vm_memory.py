@@ -167,6 +167,56 @@ def test_restores_start_from_the_standby_and_bring_back_each_checkpoint(store, b
     assert store.verify() == {}
 
 
+def qemus_of(name: str) -> set[int]:
+    """The pids of every QEMU of VM ``name``, waiting ones included."""
+    return {int(pid) for pid in os.listdir("/proc")
+            if pid.isdigit() and runs_qemu_of(int(pid), name)}
+
+
+def test_a_qemu_waits_for_the_next_restore_which_takes_it_over(store, box):
+    pid, digest = running_step(box)
+    first = box.checkpoint("first")
+    run(box, f"kill {pid}; echo later > /later")
+    second = box.checkpoint("second")
+    box.standby.wait_standby()
+    # Beside the VM's QEMU, one waits on the standby, paused, for a restore.
+    assert box.standby.failure is None
+    waiting = qemus_of("box") - {box.pid}
+    assert len(waiting) == 1
+    timing = box.restore(first)
+    assert timing.memory and timing.standby and timing.prestarted
+    assert box.pid in waiting and box.machine.memory_backed
+    assert alive(box, pid) and payload_hash(box) == digest
+    assert box.exec("test -e /later").status == 1
+    # Another waits, on the image the dead guest left, prepared at "first";
+    # a checkpoint keeps it, and the next restore takes it.
+    box.standby.wait_standby()
+    waiting = qemus_of("box") - {box.pid}
+    assert len(waiting) == 1
+    third = box.checkpoint("third")
+    box.standby.wait_standby()
+    assert qemus_of("box") - {box.pid} == waiting
+    timing = box.restore(second)
+    assert timing.prestarted and box.pid in waiting
+    assert not alive(box, pid) and run(box, "cat /later") == "later\n"
+    # One waiting on a file that is no longer the standby is not taken
+    # over, but killed.
+    box.standby.wait_standby()
+    stale = qemus_of("box") - {box.pid}
+    os.unlink(box.standby.path)
+    timing = box.restore(third)
+    assert not timing.standby and not timing.prestarted
+    assert alive(box, pid) and payload_hash(box) == digest
+    assert not stale & qemus_of("box")
+    # Stopping the VM stops every QEMU of it, and leaves none of their files.
+    box.standby.wait_standby()
+    assert len(qemus_of("box")) == 2
+    box.stop()
+    assert not qemus_of("box")
+    assert not [p.name for p in box.directory.iterdir() if p.name.startswith("waiting.")]
+    assert store.verify() == {}
+
+
 def test_two_forks_of_one_checkpoint_read_different_random_bytes(store, box):
     run(box, "true")
     checkpoint = box.checkpoint("base")

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -74,6 +75,8 @@ from blockdiff.vm.qemu import (
     QMP_SOCKET,
     Launch,
     choose_accel,
+    find_qemu,
+    runtime_names,
 )
 from blockdiff.vm.registry import KERNEL_FILES, VMEntry
 from blockdiff.vm.tracking import TRACKING, DirtyTracking, Generation
@@ -85,6 +88,10 @@ BITMAP_PREFIX = "blockdiff-"
 GUESTD_VERSION = "guestd-version"   # what the guest daemon answered at boot
 RUNTIME_FILES = (QMP_SOCKET, GUEST_SOCKET, PID_FILE, NBD_SOCKET, TRACKING, GUESTD_VERSION)
 MEMORY_IMAGE = "memory.img"
+# Before the runtime files of a QEMU waiting for the next restore, then a
+# token of its own: its files are never those of another QEMU, which may
+# remove its own when it exits.
+WAITING = "waiting."
 MiB = 1 << 20
 # Behind the RAM in the memory image, for the device state (sparse: only
 # what a checkpoint wrote takes space).
@@ -121,6 +128,7 @@ class Machine:
         self._qmp: QMP | None = None   # the connection of the outermost open qmp() block
         self.last_launch: dict[str, float] = {}   # seconds per phase of the last launch
         self._warming: threading.Event | None = None   # set to stop the warm-up
+        self.took_waiting = False   # whether the last launch took over a waiting QEMU
 
     def __enter__(self) -> "Machine":
         return self
@@ -134,13 +142,18 @@ class Machine:
     def pid(self) -> int | None:
         """QEMU's pid while this VM's QEMU runs (checked against its command
         line, so a reused pid is never taken for the VM)."""
+        return self._qemu_of(self.directory / PID_FILE)
+
+    def _qemu_of(self, pid_file: Path) -> int | None:
+        """The pid in ``pid_file`` if it is a QEMU of this VM (its command
+        line names the VM and its disk)."""
         try:
-            pid = int((self.directory / PID_FILE).read_text())
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            pid = int(pid_file.read_text())
+            cmdline = _cmdline(pid)
         except (OSError, ValueError):
             return None
-        if f"blockdiff-{self.vm.name}".encode() in cmdline and any(
-                arg.startswith(b"file=" + bytes(self.vm.disk)) for arg in cmdline):
+        if f"blockdiff-{self.vm.name}" in cmdline and any(
+                arg.startswith(f"file={self.vm.disk},") for arg in cmdline):
             return pid
         return None
 
@@ -157,13 +170,7 @@ class Machine:
         """Whether the running QEMU keeps guest RAM in the memory image (and so
         can take a memory checkpoint)."""
         pid = self.pid
-        if pid is None:
-            return False
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            return False
-        return f"mem-path={self.memory_image},".encode() in cmdline
+        return pid is not None and _holds(pid, self.memory_image)
 
     def guest_knows_memory_checkpoints(self) -> bool:
         """Whether the running guest's daemon can hold its processes during a
@@ -185,11 +192,14 @@ class Machine:
             accel, _ = choose_accel(kernel_dir / "vmlinuz", kernel_dir / "initrd.img")
         return self._launch(accel).signature()
 
-    def _launch(self, accel: str, *, memory: bool = False, incoming: bool = False) -> Launch:
+    def _launch(self, accel: str, *, memory: bool = False, incoming: bool = False,
+                memory_image: Path | None = None, runtime_prefix: str = "") -> Launch:
         kernel_dir = self.vm.kernel_dir
+        if memory or incoming:
+            memory_image = memory_image or self.memory_image
         return Launch(self.vm.name, self.directory, kernel_dir / "vmlinuz",
                       kernel_dir / "initrd.img", self.vm.disk, self.vm.memory_mb, self.vm.cpus,
-                      accel, self.memory_image if memory else None, incoming)
+                      accel, memory_image, incoming, runtime_prefix)
 
     @property
     def accel(self) -> str | None:
@@ -266,9 +276,10 @@ class Machine:
                 os.close(fd)
         (self.directory / CONSOLE_LOG).unlink(missing_ok=True)
         warming = disk = None
+        self.took_waiting = False
         with ThreadPoolExecutor(2) as pool:
             if meanwhile is None:
-                self._launch(accel, memory=memory, incoming=incoming).start()
+                self._start_or_take(self._launch(accel, memory=memory, incoming=incoming))
             else:
                 mark, disk = self._start_meanwhile(
                     self._launch(accel, memory=True, incoming=True), meanwhile,
@@ -312,7 +323,7 @@ class Machine:
         """Start QEMU in a thread of ``pool`` while ``meanwhile()`` runs in
         this one, then ``disk_meanwhile`` (if given) in another; returns
         what ``meanwhile`` returns and the future of ``disk_meanwhile``."""
-        started = pool.submit(launch.start)
+        started = pool.submit(self._start_or_take, launch)
         disk = None
         try:
             result = meanwhile()
@@ -327,6 +338,87 @@ class Machine:
             self.kill()
             raise
         return result, disk
+
+    # ----------------------------------------------------- waiting QEMU
+    # QEMU's start (60-100 ms here, a third of it loading its libraries) is
+    # most of a restore's critical path but for the memory image's own
+    # restore, which runs beside it. A QEMU started ahead, with
+    # ``-incoming defer``, on the standby memory image (a clean image no
+    # guest runs on, which a restore renames into place) and the disk,
+    # takes that off the path: the restore takes it over instead. Until a
+    # device state is loaded it neither reads nor writes guest RAM, and its
+    # disk stays inactive, unlocked, while the running QEMU has it.
+
+    def start_waiting(self, memory_image: Path) -> None:
+        """Have a QEMU wait, paused, with ``-incoming defer``, on
+        ``memory_image`` and the disk, for the next incoming launch to take
+        over; keep the one waiting already if it holds those files. Only
+        while the VM runs: stopping it kills them (``kill_waiting``)."""
+        if not self.running:
+            return
+        kernel_dir = self.vm.kernel_dir
+        accel, _ = choose_accel(kernel_dir / "vmlinuz", kernel_dir / "initrd.img")
+        if self._waiting(accel, memory_image) is not None:
+            return
+        self.kill_waiting()
+        self._launch(accel, incoming=True, memory_image=memory_image,
+                     runtime_prefix=f"{WAITING}{secrets.token_hex(4)}.").start()
+        if not self.running:    # stopped meanwhile, by another process
+            self.kill_waiting()
+
+    def _waiting_qemus(self):
+        """``(pid, prefix)`` of each QEMU waiting for this VM's next restore
+        (pid None where its process is gone)."""
+        for pid_file in self.directory.glob(f"{WAITING}*.{PID_FILE}"):
+            yield self._qemu_of(pid_file), pid_file.name[:-len(PID_FILE)]
+
+    def _waiting(self, accel: str, memory_image: Path) -> tuple[int, str] | None:
+        """The waiting QEMU, if any, started as this machine's launch would
+        be, that holds the file at ``memory_image`` now and the disk."""
+        qemu = find_qemu()
+        for pid, prefix in self._waiting_qemus():
+            if pid is None:
+                continue
+            with contextlib.suppress(OSError):
+                cmdline = _cmdline(pid)
+                mapped = _memory_path(cmdline)
+                if (mapped is not None and mapped.parent == self.directory
+                        and cmdline == self._launch(accel, incoming=True, memory_image=mapped,
+                                                    runtime_prefix=prefix).argv(qemu)
+                        and _holds(pid, memory_image, self.vm.disk)):
+                    return pid, prefix
+        return None
+
+    def _start_or_take(self, launch: Launch) -> None:
+        """Start ``launch`` (an incoming one), or take over the waiting QEMU
+        that holds the memory image and disk as they are now, its runtime
+        files renamed to the usual ones (``took_waiting`` then says so); any
+        other waiting QEMU is killed."""
+        found = self._waiting(launch.accel, self.memory_image) if launch.incoming else None
+        if found is not None:
+            pid, prefix = found
+            try:
+                for mine, usual in zip(runtime_names(prefix), launch.runtime_names()):
+                    os.rename(self.directory / mine, self.directory / usual)
+                self.took_waiting = True
+            except OSError:    # gone meanwhile: started anew
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        if launch.incoming:
+            self.kill_waiting()
+        if not self.took_waiting:
+            launch.start()
+
+    def kill_waiting(self) -> None:
+        """Kill every QEMU waiting for this VM's next restore, and remove
+        their files."""
+        for pid, prefix in self._waiting_qemus():
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                _wait_exit(pid, 10.0)
+            for name in runtime_names(prefix):
+                (self.directory / name).unlink(missing_ok=True)
 
     def _sized_memory_image(self, fresh: bool) -> int:
         """An open descriptor of the memory image, at its size. A boot
@@ -444,7 +536,9 @@ class Machine:
 
     def shutdown(self, timeout: float = 20.0) -> None:
         """Power the guest off cleanly (its disk unmounted); QEMU is killed if
-        it has not exited within ``timeout`` seconds."""
+        it has not exited within ``timeout`` seconds. Any QEMU waiting
+        for the next restore is killed."""
+        self.kill_waiting()
         pid = self.pid
         if pid is None:
             return
@@ -455,15 +549,19 @@ class Machine:
                 return self._cleanup()
         self.kill()
 
-    def kill(self) -> None:
+    def kill(self, *, keep_waiting: bool = False) -> None:
         """Kill QEMU at once (the disk holds what the guest had written, as
-        after a power cut) and remove the runtime files."""
+        after a power cut) and remove the runtime files; also any QEMU
+        waiting for the next restore, unless ``keep_waiting`` (a restore's
+        own kill)."""
         pid = self.pid
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             _wait_exit(pid, 10.0)
         self._cleanup()
+        if not keep_waiting:
+            self.kill_waiting()
 
     def _cleanup(self) -> None:
         if self._warming is not None:
@@ -855,3 +953,34 @@ def drop_dirty_bitmaps(q: QMP, keep: str) -> None:
                     q.command("block-export-del", id=name, mode="hard")
                 with contextlib.suppress(VMError):
                     q.command("block-dirty-bitmap-remove", node=DISK_NODE, name=name)
+
+
+def _cmdline(pid: int) -> list[str]:
+    """The command line of process ``pid`` (OSError if there is none)."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+
+
+def _memory_path(cmdline: list[str]) -> Path | None:
+    """The file a QEMU command line keeps guest RAM in, if any."""
+    for arg in cmdline:
+        if arg.startswith("memory-backend-file,"):
+            for option in arg.split(","):
+                if option.startswith("mem-path="):
+                    return Path(option[len("mem-path="):])
+    return None
+
+
+def _holds(pid: int, *paths: Path) -> bool:
+    """Whether process ``pid`` has the files now at ``paths`` open (QEMU
+    keeps its disk and its memory image open: they stay its files when
+    renamed, and another file renamed to a path is not)."""
+    try:
+        wanted = {(st.st_dev, st.st_ino) for st in map(os.stat, paths)}
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            st = os.stat(f"/proc/{pid}/fd/{fd}")
+            wanted.discard((st.st_dev, st.st_ino))
+    return not wanted

@@ -37,6 +37,12 @@ RAM_BACKEND = "ram0"
 MACHINE_TYPE = "q35"
 
 
+def runtime_names(prefix: str = "") -> tuple[str, str, str, str]:
+    """A QEMU's QMP socket, guest daemon socket, pid file and console log,
+    relative to the VM's directory, each name after ``prefix``."""
+    return tuple(prefix + name for name in (QMP_SOCKET, GUEST_SOCKET, PID_FILE, CONSOLE_LOG))
+
+
 def find_qemu() -> str:
     """The QEMU binary's path; VMError saying how to install it if there is none."""
     path = shutil.which(QEMU)
@@ -83,6 +89,12 @@ class Launch:
     accel: str = "tcg"
     memory_image: Path | None = None
     incoming: bool = False
+    # Before the names of its sockets, pid file and console log: a QEMU
+    # waiting for the next restore (see Machine.start_waiting) has its own.
+    runtime_prefix: str = ""
+
+    def runtime_names(self) -> tuple[str, str, str, str]:
+        return runtime_names(self.runtime_prefix)
 
     def devices(self) -> list[str]:
         """The devices of the command line (each ``-device``'s driver): the
@@ -109,6 +121,7 @@ class Launch:
 
     def argv(self, qemu: str) -> list[str]:
         """The command line, for the binary ``qemu``."""
+        qmp_socket, guest_socket, pid_file, console_log = self.runtime_names()
         # Relative socket and log paths: QEMU starts in the VM's directory.
         return [
             qemu, "-name", f"blockdiff-{self.name}",
@@ -119,27 +132,27 @@ class Launch:
             "-kernel", str(self.kernel), "-initrd", str(self.initrd),
             "-append", "console=ttyS0 panic=-1 quiet",
             "-no-reboot",
-            "-serial", f"file:{CONSOLE_LOG}",
+            "-serial", f"file:{console_log}",
             # writeback: the guest's flushes become fdatasync on the image, and
             # QMP stop drains every write before a snapshot.
             "-drive", f"file={self.disk},format=raw,if=none,id=disk0,node-name={DISK_NODE},"
                       f"cache=writeback,discard=unmap,detect-zeroes=unmap",
             "-device", "virtio-blk-pci,drive=disk0",
             "-device", "virtio-serial-pci",
-            "-chardev", f"socket,id=guestd,path={GUEST_SOCKET},server=on,wait=off",
+            "-chardev", f"socket,id=guestd,path={guest_socket},server=on,wait=off",
             "-device", f"virtserialport,chardev=guestd,name={GUEST_PORT}",
-            "-qmp", f"unix:{QMP_SOCKET},server=on,wait=off",
+            "-qmp", f"unix:{qmp_socket},server=on,wait=off",
             # Paused until the checkpoint's device state is in and the guest
             # told it resumes (-S: no start on its own once migrated).
             *(["-incoming", "defer", "-S"] if self.incoming else []),
-            "-daemonize", "-pidfile", PID_FILE,
+            "-daemonize", "-pidfile", pid_file,
         ]
 
     def start(self) -> None:
         """Start QEMU, daemonized, in the VM's directory (stale sockets and pid file
         removed first); returns once it forked into the background."""
         qemu = find_qemu()
-        for stale in (QMP_SOCKET, GUEST_SOCKET, PID_FILE):
+        for stale in self.runtime_names()[:3]:
             (self.directory / stale).unlink(missing_ok=True)
         done = subprocess.run(self.argv(qemu), cwd=self.directory, capture_output=True, text=True,
                               stdin=subprocess.DEVNULL)

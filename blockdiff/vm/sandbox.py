@@ -101,6 +101,7 @@ class RestoreTiming:
     tracked: bool = False   # QEMU's dirty bitmap said what was written
     memory: bool = False    # the VM resumed from the checkpoint's memory, processes and all
     standby: bool = False   # its memory image was the standby (blockdiff.vm.standby)
+    prestarted: bool = False   # its QEMU had been started ahead (Machine.start_waiting)
 
 
 @dataclass(frozen=True)
@@ -326,12 +327,19 @@ class Sandbox:
         """Shut the guest down cleanly (its disk unmounted); QEMU is killed if
         the guest does not power off in time."""
         with self._lock():
+            self.standby.wait_standby()   # which may start a QEMU, killed here
             self.machine.shutdown(timeout)
             self._forget_checkpoints()
 
-    def _kill(self) -> None:
-        self.machine.kill()
+    def _kill(self, *, keep_waiting: bool = False) -> None:
+        self.machine.kill(keep_waiting=keep_waiting)
         self._forget_checkpoints()
+
+    def _start_waiting(self) -> None:
+        """Start a QEMU on the standby for the next restore to take over
+        (see Machine.start_waiting), if the VM runs with memory checkpoints."""
+        if self.machine.memory_backed:
+            self.machine.start_waiting(self.standby.path)
 
     def _forget_checkpoints(self) -> None:
         # What the protocol knew of a QEMU process that is gone.
@@ -341,8 +349,8 @@ class Sandbox:
     def destroy(self) -> None:
         """Stop the VM and delete its directory. Snapshots of it stay in the store."""
         with self._lock():
+            self.standby.wait()   # which may start a QEMU, killed here
             self._kill()
-            self.standby.wait()
         self.registry.remove(self.name)
 
     # --------------------------------------------------------------- work
@@ -412,7 +420,7 @@ class Sandbox:
             (self.directory / RAN).unlink(missing_ok=True)
             marker.unlink()
             if memory_snap is not None:
-                self.standby.prepare(memory_snap.id, snap.id)
+                self.standby.prepare(memory_snap.id, snap.id, then=self._start_waiting)
             self.last_checkpoint = CheckpointTiming(
                 frozen - start, pause.seconds, time.monotonic() - start,
                 pause.written is not None, memory,
@@ -565,7 +573,7 @@ class Sandbox:
                     # dirty bitmap, so that the disk's restore need not map it.
                     with contextlib.suppress(VMError):
                         written = self.machine.stop_for_good(self.store.lineage_mark(self.disk))
-                self._kill()
+                self._kill(keep_waiting=True)    # for the launch to take over
                 killed = time.monotonic()
                 (self.directory / RESUME_FROM).unlink(missing_ok=True)
                 if self.standby.take(self.machine.memory_image, memory_snap.size):
@@ -586,7 +594,9 @@ class Sandbox:
                     tracked = swapped
             self.last_restore = RestoreTiming(time.monotonic() - start, rebooted, tracked,
                                               memory_snap is not None,
-                                              self.memory_source == "standby")
+                                              self.memory_source == "standby",
+                                              memory_snap is not None
+                                              and self.machine.took_waiting)
             return self.last_restore
 
     def _resume(self, snap: Snapshot, memory_snap: Snapshot, timeout: float, *,
@@ -653,7 +663,7 @@ class Sandbox:
                                 mark=restore())
         if not fresh:
             # For the next restore or fork, while the guest runs.
-            self.standby.prepare(memory_snap.id, snap.id)
+            self.standby.prepare(memory_snap.id, snap.id, then=self._start_waiting)
 
     def _hot_memory(self, memory_snapshot_id: str):
         """The parts of the memory image that the last few checkpoints up to

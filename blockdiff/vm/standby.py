@@ -148,15 +148,23 @@ class Standby:
         self.failure: Exception | None = None
         self.spares_failure: Exception | None = None
 
-    def prepare(self, memory_snapshot_id: str, disk_snapshot_id: str | None = None) -> None:
+    def prepare(self, memory_snapshot_id: str, disk_snapshot_id: str | None = None, *,
+                then=None) -> None:
         """Start bringing the standby to a memory snapshot, in the background
-        (after the preparation of the standby under way, if any); then the
-        memory spare to the same snapshot and the disk spare to
-        ``disk_snapshot_id`` (if given), which restores do not wait for."""
-        self._join_standby()
+        (after the preparation of the standby under way, if any), then call
+        ``then()`` (if given, and if that went well; its error, if any, is
+        ``failure``); then the memory spare to the same snapshot and the
+        disk spare to ``disk_snapshot_id`` (if given), which restores do
+        not wait for."""
+        self.wait_standby()
 
         def run() -> None:
             self._prepare_standby(memory_snapshot_id)
+            if then is not None and self.failure is None:
+                try:
+                    then()
+                except Exception as e:   # noqa: BLE001 - see failure
+                    self.failure = e
             # Moved a step on, for a fork that may not come: never at the
             # cost of a restore, a fork or a guest.
             self.prepare_spares(memory_snapshot_id, disk_snapshot_id, idle=True)
@@ -184,7 +192,7 @@ class Standby:
     def wait(self) -> None:
         """Until this process's preparations of the standby and the spares,
         if any, are done."""
-        self._join_standby()      # which may ask for the spares' first
+        self.wait_standby()      # which may ask for the spares' first
         while True:
             with self._chaining:
                 thread = self._spares_thread
@@ -192,7 +200,8 @@ class Standby:
                 return
             thread.join()
 
-    def _join_standby(self) -> None:
+    def wait_standby(self) -> None:
+        """Until this process's preparation of the standby, if any, is done."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -203,7 +212,7 @@ class Standby:
         then says which); False, and nothing changed, if there is none to
         take. The old image is the next standby, once prepared: its page
         cache is mostly what the next one needs."""
-        self._join_standby()
+        self.wait_standby()
         with locked(self._lock_path, wait=False) as had:
             if not had or not clean(self.store, self.path, size):
                 return False
