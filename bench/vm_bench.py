@@ -283,7 +283,7 @@ def run_memory(args, store: Store, base: Path, image, pool_blocks: int, rnd: ran
         assert box.exec(step_command(1000 + k, pool_blocks, rnd)).status == 0
         box.checkpoint("disk only", memory=False)
         disk_only.append(box.last_checkpoint.paused)
-    restore, restore_command, phases, restore_standby = [], [], [], []
+    restore, restore_command, phases, restore_standby, prestarted = [], [], [], [], []
     for k in rnd.sample(range(1, args.memory_steps), min(RESTORE_SAMPLES, args.memory_steps - 1)):
         start = time.monotonic()
         timing = box.restore(ids[k])     # until the guest daemon has resumed it
@@ -292,6 +292,7 @@ def run_memory(args, store: Store, base: Path, image, pool_blocks: int, rnd: ran
         restore_command.append(time.monotonic() - start)
         phases.append(box.last_restore_phases | box.machine.last_launch)
         restore_standby.append(timing.standby)
+        prestarted.append(timing.prestarted)
         assert timing.memory and box.exec(f"kill -0 {pid}").status == 0
         assert box.exec("cat /data/last").stdout == f"{k}\n".encode()
     forks = [fork_to_running(box, ids[k], f"whole-fork{i}", pid)
@@ -334,6 +335,7 @@ def run_memory(args, store: Store, base: Path, image, pool_blocks: int, rnd: ran
             "big_stored": stats(big_stored), "disk_only_paused": stats(disk_only),
             "restore": stats(restore), "restore_command": stats(restore_command),
             "restore_phases": phases, "restore_standby": restore_standby,
+            "restore_prestarted": prestarted,
             "fork": stats(fork), "fork_command": stats(fork_command),
             "fork_phases": fork_phases, "fork_source": fork_source,
             "fork_latest": stats(latest), "fork_latest_source": latest_source,
@@ -509,7 +511,8 @@ def memory_table(r: dict) -> str:
            f"\n{m['memory_mb']} MiB of guest RAM, {m['steps']} small steps with a process "
            f"running; the first checkpoint after the boot stored {mib(m['stored']['first'])}; "
            f"the standby memory image was used by {sum(m['restore_standby'])} of "
-           f"{len(m['restore_standby'])} restores; of {len(m['fork_source'])} forks, "
+           f"{len(m['restore_standby'])} restores, a QEMU started ahead by "
+           f"{sum(m['restore_prestarted'])}; of {len(m['fork_source'])} forks, "
            f"{m['fork_source'].count('spare')} took the spares and "
            f"{m['fork_source'].count('standby copy')} copied the standby (the other "
            f"forks follow them closely); {m['fork_latest_source'].count('spare')} of "

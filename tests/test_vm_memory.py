@@ -217,6 +217,23 @@ def test_a_qemu_waits_for_the_next_restore_which_takes_it_over(store, box):
     assert store.verify() == {}
 
 
+def test_a_waiting_qemu_leaves_the_memory_image_it_maps_as_it_was(store, box):
+    # What lets a QEMU wait on the standby: until a device state is loaded,
+    # it neither reads nor writes guest RAM (its file stays clean).
+    box.standby.wait_standby()
+    box.machine.kill_waiting()
+    image = box.directory / "ram-of-nobody.img"
+    content = os.urandom(box.machine.ram_bytes + machine_module.DEVICE_STATE_AREA)
+    image.write_bytes(content)
+    box.machine.start_waiting(image)
+    (waiting,) = qemus_of("box") - {box.pid}
+    time.sleep(1.0)
+    assert machine_module._holds(waiting, image, box.disk)
+    assert image.read_bytes() == content
+    box.machine.kill_waiting()
+    assert qemus_of("box") == {box.pid} and image.read_bytes() == content
+
+
 def test_two_forks_of_one_checkpoint_read_different_random_bytes(store, box):
     run(box, "true")
     checkpoint = box.checkpoint("base")

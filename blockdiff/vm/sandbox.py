@@ -39,6 +39,7 @@ import fcntl
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -568,19 +569,26 @@ class Sandbox:
             self.memory_source = ""
             if memory_snap is not None:
                 written = None
-                if self.machine.running:
-                    # What the guest wrote since the last checkpoint, from the
-                    # dirty bitmap, so that the disk's restore need not map it.
-                    with contextlib.suppress(VMError):
-                        written = self.machine.stop_for_good(self.store.lineage_mark(self.disk))
-                self._kill(keep_waiting=True)    # for the launch to take over
-                killed = time.monotonic()
+                with ThreadPoolExecutor(1) as pool:
+                    # The standby brought to the checkpoint while QEMU stops.
+                    ahead = pool.submit(self.standby.bring, memory_snap.id)
+                    if self.machine.running:
+                        # What the guest wrote since the last checkpoint, from the
+                        # dirty bitmap, so that the disk's restore need not map it.
+                        with contextlib.suppress(VMError):
+                            written = self.machine.stop_for_good(
+                                self.store.lineage_mark(self.disk))
+                    self._kill(keep_waiting=True)    # for the launch to take over
+                    killed = time.monotonic()
+                    ahead.result()
+                brought = time.monotonic()
                 (self.directory / RESUME_FROM).unlink(missing_ok=True)
                 if self.standby.take(self.machine.memory_image, memory_snap.size):
                     self.memory_source = "standby"
                 self._resume(snap, memory_snap, timeout, written=written)
                 tracked = written is not None
-                self.last_restore_phases = {"stop": killed - start} | self.last_restore_phases
+                self.last_restore_phases = ({"stop": killed - start, "standby": brought - start}
+                                            | self.last_restore_phases)
             elif not self.machine.running:
                 self.store.restore(snap.id, self.disk)
             else:
@@ -623,8 +631,11 @@ class Sandbox:
         def restore_memory(again: bool = False) -> None:
             began = time.monotonic()
             trusted = bool(self.memory_source) and not again
-            self.store.restore(memory_snap.id, image,
-                               written=NOTHING_WRITTEN if trusted else None)
+            # A standby a restore brought to the checkpoint (Standby.bring)
+            # is there already.
+            if not trusted or self.store.lineage(image) != (memory_snap.id, "clean"):
+                self.store.restore(memory_snap.id, image,
+                                   written=NOTHING_WRITTEN if trusted else None)
             phases["memory"] = time.monotonic() - began
 
         def restore_disk(written) -> str:

@@ -6,14 +6,17 @@ A restore with memory could rewrite the dead VM's own memory image in place,
 but only after writing back, and mapping, all the RAM its guest dirtied since
 its last checkpoint: bytes the restore then throws away, at about a
 millisecond per dirty MiB, scattered (some 40 ms after a small step, far more
-after a large one). The standby is never mapped by QEMU, so nothing writes
-it: its extent map is its snapshot's, and bringing it to another snapshot
-rewrites only where the two snapshots' extent maps differ, with nothing to
-write back or map first.
+after a large one). No guest runs on the standby, so nothing writes it: its
+extent map is its snapshot's, and bringing it to another snapshot rewrites
+only where the two snapshots' extent maps differ, with nothing to write
+back or map first. (The one QEMU that maps it, started ahead for the next
+restore, waits for a device state, and neither reads nor writes guest RAM
+before it has one: see ``Machine.start_waiting``.)
 
-- A restore swaps it with the dead VM's memory image (``take``) and brings
-  it to the checkpoint while QEMU starts. The dead image, its lineage
-  removed, is the next standby: its page cache is mostly what that needs.
+- A restore brings it to the checkpoint (``bring``) while the dead VM's
+  QEMU is stopped, then swaps it with the dead VM's memory image
+  (``take``). The dead image, its lineage removed, is the next standby:
+  its page cache is mostly what that needs.
 - A fork takes the spares: a memory image and a disk kept clean beside
   them, each at a snapshot (``Spare.give``: a rename), and brings each to
   its checkpoint. Anything else costs the fork per extent: a whole-file
@@ -159,18 +162,30 @@ class Standby:
         self.wait_standby()
 
         def run() -> None:
+            # Where the standby is there to stay (the usual case, moved in
+            # place), ``then`` runs beside its preparation.
+            follow = None
+            if then is not None and holds(self.path, self.store.get(memory_snapshot_id).size):
+                follow = threading.Thread(target=lambda: self._then(then),
+                                          name=f"then {self.path.parent.name}")
+                follow.start()
             self._prepare_standby(memory_snapshot_id)
-            if then is not None and self.failure is None:
-                try:
-                    then()
-                except Exception as e:   # noqa: BLE001 - see failure
-                    self.failure = e
+            if follow is not None:
+                follow.join()
+            elif then is not None and self.failure is None:
+                self._then(then)
             # Moved a step on, for a fork that may not come: never at the
             # cost of a restore, a fork or a guest.
             self.prepare_spares(memory_snapshot_id, disk_snapshot_id, idle=True)
 
         self._thread = threading.Thread(target=run, name=f"standby {self.path.parent.name}")
         self._thread.start()
+
+    def _then(self, then) -> None:
+        try:
+            then()
+        except Exception as e:   # noqa: BLE001 - see failure
+            self.failure = e
 
     def prepare_spares(self, memory_snapshot_id: str | None,
                        disk_snapshot_id: str | None = None, *, idle: bool = False) -> None:
@@ -205,6 +220,26 @@ class Standby:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+    def bring(self, memory_snapshot_id: str) -> bool:
+        """Bring the standby to ``memory_snapshot_id`` now, in place, if it is
+        clean at a snapshot of that size (a restore does, while the dead
+        VM's QEMU is stopped, before ``take``: the standby is no file of
+        that QEMU's); False if not, if another process holds it, or if the
+        move failed (``failure`` says why; its lineage then says
+        "restoring", and nothing takes it)."""
+        self.wait_standby()
+        with locked(self._lock_path, wait=False) as had:
+            size = self.store.get(memory_snapshot_id).size
+            if not had or not clean(self.store, self.path, size):
+                return False
+            try:
+                self.store.restore(memory_snapshot_id, self.path, written=NOTHING_WRITTEN)
+                warm_whole(self.path)   # where the move dropped its page cache
+            except Exception as e:   # noqa: BLE001 - see failure
+                self.failure = e
+                return False
+            return True
 
     def take(self, image: Path, size: int) -> bool:
         """Swap the standby with ``image`` (a memory image no QEMU runs on) if
