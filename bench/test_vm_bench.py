@@ -47,11 +47,14 @@ def test_end_to_end_tiny_run(tmp_path, capsys, scratch_xfs_possible):
     assert len(memory["fork_phases"]) == vm_bench.MEMORY_FORKS
     # Each restore waits for its own process's standby: every one takes it.
     assert memory["restore_standby"] == [True] * 5
+    # ... and the QEMU started ahead on it, beside its preparation.
+    assert memory["restore_prestarted"] == [True] * 5
     assert len(memory["fork_source"]) == vm_bench.MEMORY_FORKS
     assert set(memory["fork_source"]) <= {"spare", "standby copy", ""}
     # Forks of the checkpoint just taken, its spares ready, each take them.
     assert memory["fork_latest_source"] == ["spare"] * vm_bench.LATEST_FORKS
-    assert "the standby memory image was used by 5 of 5 restores" in printed
+    assert ("the standby memory image was used by 5 of 5 restores, a QEMU started ahead "
+            "by 5" in printed)
     # QEMU's own save holds every page the guest used (92-97 MB of 256 MiB
     # here, its zero pages left out), far more than a step stores.
     assert memory["qemu_saved_bytes"] > max(64 * vm_bench.MiB, 10 * memory["stored"]["p50"])

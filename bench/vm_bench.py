@@ -233,7 +233,7 @@ def fork_to_running(box: Sandbox, snapshot_id: str, name: str, pid: int):
     """Fork ``box`` at ``snapshot_id`` into ``name``, check that process
     ``pid`` came along, and remove the fork: seconds until it resumed and
     until a first command ran, its phases, where its memory image came
-    from."""
+    from, whether its QEMU was one started ahead."""
     start = time.monotonic()
     other = box.fork(snapshot_id, name)
     resumed = time.monotonic() - start
@@ -242,7 +242,7 @@ def fork_to_running(box: Sandbox, snapshot_id: str, name: str, pid: int):
     command = time.monotonic() - start
     assert other.exec(f"kill -0 {pid}").status == 0
     other.destroy()
-    return resumed, command, phases, other.memory_source
+    return resumed, command, phases, other.memory_source, other.machine.took_waiting
 
 
 def run_memory(args, store: Store, base: Path, image, pool_blocks: int, rnd: random.Random,
@@ -283,7 +283,7 @@ def run_memory(args, store: Store, base: Path, image, pool_blocks: int, rnd: ran
         assert box.exec(step_command(1000 + k, pool_blocks, rnd)).status == 0
         box.checkpoint("disk only", memory=False)
         disk_only.append(box.last_checkpoint.paused)
-    restore, restore_command, phases, restore_standby, prestarted = [], [], [], [], []
+    restore, restore_command, phases, restore_standby, restore_prestarted = [], [], [], [], []
     for k in rnd.sample(range(1, args.memory_steps), min(RESTORE_SAMPLES, args.memory_steps - 1)):
         start = time.monotonic()
         timing = box.restore(ids[k])     # until the guest daemon has resumed it
@@ -292,22 +292,24 @@ def run_memory(args, store: Store, base: Path, image, pool_blocks: int, rnd: ran
         restore_command.append(time.monotonic() - start)
         phases.append(box.last_restore_phases | box.machine.last_launch)
         restore_standby.append(timing.standby)
-        prestarted.append(timing.prestarted)
+        restore_prestarted.append(timing.prestarted)
         assert timing.memory and box.exec(f"kill -0 {pid}").status == 0
         assert box.exec("cat /data/last").stdout == f"{k}\n".encode()
     forks = [fork_to_running(box, ids[k], f"whole-fork{i}", pid)
              for i, k in enumerate(rnd.sample(range(args.memory_steps), MEMORY_FORKS))]
-    fork, fork_command, fork_phases, fork_source = (list(column) for column in zip(*forks))
+    fork, fork_command, fork_phases, fork_source, fork_prestarted = (
+        list(column) for column in zip(*forks))
     # An agent forking where it is now (best-of-N from its current step),
     # with its VM's spares prepared meanwhile, as between its steps.
     assert box.exec(step_command(3000, pool_blocks, rnd)).status == 0
     now = box.checkpoint("fork point")
-    latest, latest_source = [], []
+    latest, latest_source, latest_prestarted = [], [], []
     for i in range(LATEST_FORKS):
         box.standby.wait()
-        seconds, _, _, source = fork_to_running(box, now, f"latest-fork{i}", pid)
+        seconds, _, _, source, ahead = fork_to_running(box, now, f"latest-fork{i}", pid)
         latest.append(seconds)
         latest_source.append(source)
+        latest_prestarted.append(ahead)
     qemu_save, qemu_restore, qemu_command, saved_bytes = full_ram_save_restore(
         store, base, image, work)
     # The same small steps on a VM whose page cache is not warmed in 4 KiB
@@ -335,10 +337,12 @@ def run_memory(args, store: Store, base: Path, image, pool_blocks: int, rnd: ran
             "big_stored": stats(big_stored), "disk_only_paused": stats(disk_only),
             "restore": stats(restore), "restore_command": stats(restore_command),
             "restore_phases": phases, "restore_standby": restore_standby,
-            "restore_prestarted": prestarted,
+            "restore_prestarted": restore_prestarted,
             "fork": stats(fork), "fork_command": stats(fork_command),
             "fork_phases": fork_phases, "fork_source": fork_source,
+            "fork_prestarted": fork_prestarted,
             "fork_latest": stats(latest), "fork_latest_source": latest_source,
+            "fork_latest_prestarted": latest_prestarted,
             "qemu_save_paused": stats(qemu_save), "qemu_restore": stats(qemu_restore),
             "qemu_restore_command": stats(qemu_command),
             "qemu_saved_bytes": saved_bytes, "unwarmed_stored": stats(unwarmed[1:])}
@@ -515,9 +519,10 @@ def memory_table(r: dict) -> str:
            f"{sum(m['restore_prestarted'])}; of {len(m['fork_source'])} forks, "
            f"{m['fork_source'].count('spare')} took the spares and "
            f"{m['fork_source'].count('standby copy')} copied the standby (the other "
-           f"forks follow them closely); {m['fork_latest_source'].count('spare')} of "
+           f"forks follow them closely), {sum(m['fork_prestarted'])} took a QEMU started "
+           f"ahead; {m['fork_latest_source'].count('spare')} of "
            f"{len(m['fork_latest_source'])} forks of the checkpoint just taken took the "
-           f"spares."]
+           f"spares, {sum(m['fork_latest_prestarted'])} a QEMU started ahead."]
     return "\n".join(out)
 
 

@@ -284,7 +284,7 @@ def test_json_of_the_vm_commands_on_a_stopped_vm(xfs):
     assert human.startswith(f"VM box at {snap['id']} (stopped")
     forked = as_json("vm", "fork", "box", snap["id"][:8], "box2", "--no-start", env=env)
     assert forked == {"vm": "box2", "forked_from": snap["id"], "running": False, "memory": False,
-                      "memory_from": None, "disk_from": "layers"}
+                      "memory_from": None, "disk_from": "layers", "prestarted": False}
     cli("vm", "create", "box3", "--from", root_snapshot[:5].upper(), env=env)
     assert {s["name"]: s["snapshot"] for s in as_json("vm", "ls", env=env)} == {
         "box": snap["id"], "box2": snap["id"], "box3": root_snapshot}

@@ -168,9 +168,14 @@ def test_restores_start_from_the_standby_and_bring_back_each_checkpoint(store, b
 
 
 def qemus_of(name: str) -> set[int]:
-    """The pids of every QEMU of VM ``name``, waiting ones included."""
+    """The pids of every QEMU of VM ``name`` (or started ahead by it)."""
     return {int(pid) for pid in os.listdir("/proc")
             if pid.isdigit() and runs_qemu_of(int(pid), name)}
+
+
+def waiting(sandbox: Sandbox, kind: str = machine_module.WAITING) -> set[int]:
+    """The pids of the QEMUs of one kind waiting in the VM's directory."""
+    return {int(p.read_text()) for p in sandbox.directory.glob(f"{kind}*.qemu.pid")}
 
 
 def test_a_qemu_waits_for_the_next_restore_which_takes_it_over(store, box):
@@ -181,39 +186,69 @@ def test_a_qemu_waits_for_the_next_restore_which_takes_it_over(store, box):
     box.standby.wait_standby()
     # Beside the VM's QEMU, one waits on the standby, paused, for a restore.
     assert box.standby.failure is None
-    waiting = qemus_of("box") - {box.pid}
-    assert len(waiting) == 1
+    ready = waiting(box)
+    assert len(ready) == 1 and ready <= qemus_of("box")
     timing = box.restore(first)
     assert timing.memory and timing.standby and timing.prestarted
-    assert box.pid in waiting and box.machine.memory_backed
+    assert box.pid in ready and box.machine.memory_backed
     assert alive(box, pid) and payload_hash(box) == digest
     assert box.exec("test -e /later").status == 1
     # Another waits, on the image the dead guest left, prepared at "first";
     # a checkpoint keeps it, and the next restore takes it.
     box.standby.wait_standby()
-    waiting = qemus_of("box") - {box.pid}
-    assert len(waiting) == 1
+    ready = waiting(box)
+    assert len(ready) == 1
     third = box.checkpoint("third")
     box.standby.wait_standby()
-    assert qemus_of("box") - {box.pid} == waiting
+    assert waiting(box) == ready
     timing = box.restore(second)
-    assert timing.prestarted and box.pid in waiting
+    assert timing.prestarted and box.pid in ready
     assert not alive(box, pid) and run(box, "cat /later") == "later\n"
     # One waiting on a file that is no longer the standby is not taken
     # over, but killed.
     box.standby.wait_standby()
-    stale = qemus_of("box") - {box.pid}
+    stale = waiting(box)
     os.unlink(box.standby.path)
     timing = box.restore(third)
     assert not timing.standby and not timing.prestarted
     assert alive(box, pid) and payload_hash(box) == digest
     assert not stale & qemus_of("box")
     # Stopping the VM stops every QEMU of it, and leaves none of their files.
-    box.standby.wait_standby()
-    assert len(qemus_of("box")) == 2
+    box.standby.wait()
+    assert len(qemus_of("box")) >= 2
     box.stop()
     assert not qemus_of("box")
-    assert not [p.name for p in box.directory.iterdir() if p.name.startswith("waiting.")]
+    assert not [p.name for p in box.directory.iterdir() if p.name.startswith("waiting")]
+    assert store.verify() == {}
+
+
+def test_forks_take_over_the_qemu_waiting_on_the_spares(store, box):
+    pid, digest = running_step(box)
+    checkpoint = box.checkpoint("one")
+    box.standby.wait()
+    (ready,) = waiting(box, machine_module.WAITING_FORK)
+    fork = box.fork(checkpoint, "fork")
+    try:
+        assert fork.memory_source == fork.disk_source == "spare" and fork.machine.took_waiting
+        assert fork.pid == ready and fork.machine.memory_backed
+        assert alive(fork, pid) and payload_hash(fork) == digest
+        # Another is started on the spares made anew, for the next fork.
+        box.standby.wait()
+        (again,) = waiting(box, machine_module.WAITING_FORK)
+        assert again != ready
+        other = box.fork(checkpoint, "other")
+        assert other.machine.took_waiting and other.pid == again
+        assert alive(other, pid) and payload_hash(other) == digest
+        run(other, f"kill {pid}")
+        assert alive(fork, pid) and alive(box, pid)
+        assert MEMORY_KEY in store.get(other.checkpoint("in a fork")).meta
+        other.destroy()
+        assert again not in qemus_of("box")
+    finally:
+        fork.destroy()
+    box.standby.wait()
+    box.stop()
+    assert not qemus_of("box")
     assert store.verify() == {}
 
 
@@ -226,9 +261,9 @@ def test_a_waiting_qemu_leaves_the_memory_image_it_maps_as_it_was(store, box):
     content = os.urandom(box.machine.ram_bytes + machine_module.DEVICE_STATE_AREA)
     image.write_bytes(content)
     box.machine.start_waiting(image)
-    (waiting,) = qemus_of("box") - {box.pid}
+    (ready,) = waiting(box)
     time.sleep(1.0)
-    assert machine_module._holds(waiting, image, box.disk)
+    assert machine_module._holds(ready, image, box.disk)
     assert image.read_bytes() == content
     box.machine.kill_waiting()
     assert qemus_of("box") == {box.pid} and image.read_bytes() == content

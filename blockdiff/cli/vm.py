@@ -261,7 +261,8 @@ def vm_fork(name, snapshot_id, new_name, store_path, no_start, disk_only, as_jso
         return emit_json({"vm": new_name, "forked_from": snapshot_id, "running": not no_start,
                           "memory": resumed,
                           "memory_from": sources[other.memory_source] if resumed else None,
-                          "disk_from": sources[other.disk_source]})
+                          "disk_from": sources[other.disk_source],
+                          "prestarted": resumed and not no_start and other.machine.took_waiting})
     state = "" if no_start else (", resumed with its processes" if resumed else ", booted")
     click.echo(f"VM {new_name} forked from {snapshot_id}{state}")
 

@@ -93,7 +93,9 @@ MEMORY_IMAGE = "memory.img"
 # Before the runtime files of a QEMU waiting for the next restore, then a
 # token of its own: its files are never those of another QEMU, which may
 # remove its own when it exits.
-WAITING = "waiting."
+WAITING = "waiting."            # on the standby, for a restore
+WAITING_FORK = "waiting-fork."  # on the spares, for a fork
+WAITING_KINDS = (WAITING, WAITING_FORK)
 MiB = 1 << 20
 # Behind the RAM in the memory image, for the device state (sparse: only
 # what a checkpoint wrote takes space).
@@ -147,16 +149,15 @@ class Machine:
         return self._qemu_of(self.directory / PID_FILE)
 
     def _qemu_of(self, pid_file: Path) -> int | None:
-        """The pid in ``pid_file`` if it is a QEMU of this VM (its command
-        line names the VM and its disk)."""
+        """The pid in ``pid_file`` if it is a QEMU that holds this VM's disk
+        open (by the file, not a path on its command line: a QEMU started
+        ahead was given its files by descriptor)."""
         try:
             pid = int(pid_file.read_text())
-            cmdline = _cmdline(pid)
+            if _is_qemu(_cmdline(pid)) and _holds(pid, self.vm.disk):
+                return pid
         except (OSError, ValueError):
-            return None
-        if f"blockdiff-{self.vm.name}" in cmdline and any(
-                arg.startswith(f"file={self.vm.disk},") for arg in cmdline):
-            return pid
+            pass
         return None
 
     @property
@@ -341,53 +342,83 @@ class Machine:
             raise
         return result, disk
 
-    # ----------------------------------------------------- waiting QEMU
-    # QEMU's start (60-100 ms here, a third of it loading its libraries) is
-    # most of a restore's critical path but for the memory image's own
-    # restore, which runs beside it. A QEMU started ahead, with
-    # ``-incoming defer``, on the standby memory image (a clean image no
-    # guest runs on, which a restore renames into place) and the disk,
-    # takes that off the path: the restore takes it over instead. Until a
-    # device state is loaded it neither reads nor writes guest RAM, and its
-    # disk stays inactive, unlocked, while the running QEMU has it.
+    # ----------------------------------------------------- waiting QEMUs
+    # QEMU's start (60-100 ms here, a third of it loading its libraries, and
+    # more on two cores where anything else runs) is most of a restore's or
+    # a fork's critical path but for the memory image's own restore, which
+    # runs beside it. A QEMU started ahead, with ``-incoming defer``, on the
+    # images a restore or a fork will rename into place (the standby, or
+    # the spares) takes that off the path: the launch takes it over instead
+    # of starting one. Until a device state is loaded it neither reads nor
+    # writes guest RAM, and its disk stays inactive, unlocked, while the
+    # running QEMU has the same one.
 
-    def start_waiting(self, memory_image: Path) -> None:
+    def start_waiting(self, memory_image: Path, disk: Path | None = None, *,
+                      kind: str = WAITING) -> None:
         """Have a QEMU wait, paused, with ``-incoming defer``, on
-        ``memory_image`` and the disk, for the next incoming launch to take
-        over; keep the one waiting already if it holds those files. Only
-        while the VM runs: stopping it kills them (``kill_waiting``)."""
+        ``memory_image`` and ``disk`` (the VM's own by default), for the next
+        incoming launch that finds them in place to take over: ``kind``
+        ``WAITING`` for a restore (on the standby), ``WAITING_FORK`` for a
+        fork (on the spares, handed over by ``hand_over_waiting``). Keeps
+        the one of that kind waiting already if it holds those files; else
+        kills it. Only while the VM runs: stopping it kills them all
+        (``kill_waiting``). The files are opened first and QEMU given them
+        as ``/dev/fd/N``, so that it holds these files even if they are
+        renamed meanwhile (OSError, and nothing started, if they are gone)."""
         if not self.running:
             return
+        disk = disk or self.vm.disk
         kernel_dir = self.vm.kernel_dir
         accel, _ = choose_accel(kernel_dir / "vmlinuz", kernel_dir / "initrd.img")
-        if self._waiting(accel, memory_image) is not None:
+        if self._waiting(accel, memory_image, disk, (kind,)) is not None:
             return
-        self.kill_waiting()
-        self._launch(accel, incoming=True, memory_image=memory_image,
-                     runtime_prefix=f"{WAITING}{secrets.token_hex(4)}.").start()
+        self.kill_waiting((kind,))
+        fds = []
+        try:
+            for path in (memory_image, disk):
+                fds.append(os.open(path, os.O_RDWR | os.O_CLOEXEC))
+            launch = self._launch(accel, incoming=True, memory_image=Path(f"/dev/fd/{fds[0]}"),
+                                  runtime_prefix=f"{kind}{secrets.token_hex(4)}.")
+            replace(launch, disk=Path(f"/dev/fd/{fds[1]}")).start(pass_fds=fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
         if not self.running:    # stopped meanwhile, by another process
             self.kill_waiting()
 
-    def _waiting_qemus(self):
-        """``(pid, prefix)`` of each QEMU waiting for this VM's next restore
-        (pid None where its process is gone)."""
-        for pid_file in self.directory.glob(f"{WAITING}*.{PID_FILE}"):
-            yield self._qemu_of(pid_file), pid_file.name[:-len(PID_FILE)]
+    def _waiting_qemus(self, kinds=WAITING_KINDS, directory: Path | None = None):
+        """``(pid, prefix)`` of each QEMU of these kinds waiting in this VM's
+        directory (or ``directory``), pid None where its process is gone: a
+        QEMU whose command line names its pid file (with its token)."""
+        for kind in kinds:
+            for pid_file in (directory or self.directory).glob(f"{kind}*.{PID_FILE}"):
+                pid = None
+                with contextlib.suppress(OSError, ValueError):
+                    pid = int(pid_file.read_text())
+                    cmdline = _cmdline(pid)
+                    if not (_is_qemu(cmdline) and _after(cmdline, "-pidfile") == pid_file.name):
+                        pid = None
+                yield pid, pid_file.name[:-len(PID_FILE)]
 
-    def _waiting(self, accel: str, memory_image: Path) -> tuple[int, str] | None:
-        """The waiting QEMU, if any, started as this machine's launch would
-        be, that holds the file at ``memory_image`` now and the disk."""
+    def _waiting(self, accel: str, memory_image: Path, disk: Path,
+                 kinds=WAITING_KINDS) -> tuple[int, str] | None:
+        """The waiting QEMU of these kinds, if any, that holds the files now
+        at ``memory_image`` and ``disk``, started as this machine's launch
+        would be but for its name and the paths of those files."""
         qemu = find_qemu()
-        for pid, prefix in self._waiting_qemus():
+        for pid, prefix in self._waiting_qemus(kinds):
             if pid is None:
                 continue
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, ValueError):
                 cmdline = _cmdline(pid)
+                name = _after(cmdline, "-name").removeprefix("blockdiff-")
+                drive = _after(cmdline, "-drive").removeprefix("file=").split(",format=")[0]
                 mapped = _memory_path(cmdline)
-                if (mapped is not None and mapped.parent == self.directory
-                        and cmdline == self._launch(accel, incoming=True, memory_image=mapped,
-                                                    runtime_prefix=prefix).argv(qemu)
-                        and _holds(pid, memory_image, self.vm.disk)):
+                launch = self._launch(accel, incoming=True, memory_image=mapped,
+                                      runtime_prefix=prefix)
+                if (mapped is not None
+                        and cmdline == replace(launch, name=name, disk=Path(drive)).argv(qemu)
+                        and _holds(pid, memory_image, disk)):
                     return pid, prefix
         return None
 
@@ -395,8 +426,9 @@ class Machine:
         """Start ``launch`` (an incoming one), or take over the waiting QEMU
         that holds the memory image and disk as they are now, its runtime
         files renamed to the usual ones (``took_waiting`` then says so); any
-        other waiting QEMU is killed."""
-        found = self._waiting(launch.accel, self.memory_image) if launch.incoming else None
+        other waiting QEMU on this VM's disk is killed."""
+        found = (self._waiting(launch.accel, self.memory_image, self.vm.disk)
+                 if launch.incoming else None)
         if found is not None:
             pid, prefix = found
             try:
@@ -407,20 +439,36 @@ class Machine:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         if launch.incoming:
-            self.kill_waiting()
+            self.kill_waiting(holding=self.vm.disk)
         if not self.took_waiting:
             launch.start()
 
-    def kill_waiting(self) -> None:
-        """Kill every QEMU waiting for this VM's next restore, and remove
-        their files."""
-        for pid, prefix in self._waiting_qemus():
+    def kill_waiting(self, kinds=WAITING_KINDS, *, holding: Path | None = None) -> None:
+        """Kill every QEMU of these kinds waiting in this VM's directory (with
+        ``holding``, only those that hold that file), and remove their
+        files."""
+        for pid, prefix in self._waiting_qemus(kinds):
             if pid is not None:
+                if holding is not None and not _holds(pid, holding):
+                    continue
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                 _wait_exit(pid, 10.0)
             for name in runtime_names(prefix):
                 (self.directory / name).unlink(missing_ok=True)
+
+    def hand_over_waiting(self, source: Path) -> bool:
+        """Move the runtime files of the fork's QEMU waiting in directory
+        ``source`` (another VM's, whose spares this new VM took) into this
+        VM's directory, if it holds this VM's memory image and disk now, for
+        the launch to take it over; whether there was one."""
+        for pid, prefix in self._waiting_qemus((WAITING_FORK,), source):
+            if pid is not None and _holds(pid, self.memory_image, self.vm.disk):
+                with contextlib.suppress(OSError):
+                    for name in runtime_names(prefix):
+                        os.rename(source / name, self.directory / name)
+                    return True
+        return False
 
     def _sized_memory_image(self, fresh: bool) -> int:
         """An open descriptor of the memory image, at its size. A boot
@@ -986,3 +1034,15 @@ def _holds(pid: int, *paths: Path) -> bool:
             st = os.stat(f"/proc/{pid}/fd/{fd}")
             wanted.discard((st.st_dev, st.st_ino))
     return not wanted
+
+
+def _is_qemu(cmdline: list[str]) -> bool:
+    return bool(cmdline) and os.path.basename(cmdline[0]).startswith("qemu-system")
+
+
+def _after(cmdline: list[str], option: str) -> str:
+    """The argument after ``option`` (ValueError if there is none)."""
+    at = cmdline.index(option) + 1
+    if at >= len(cmdline):
+        raise ValueError(option)
+    return cmdline[at]

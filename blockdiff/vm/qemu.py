@@ -148,14 +148,15 @@ class Launch:
             "-daemonize", "-pidfile", pid_file,
         ]
 
-    def start(self) -> None:
+    def start(self, pass_fds=()) -> None:
         """Start QEMU, daemonized, in the VM's directory (stale sockets and pid file
-        removed first); returns once it forked into the background."""
+        removed first), with descriptors ``pass_fds`` (for paths such as
+        ``/dev/fd/N``); returns once it forked into the background."""
         qemu = find_qemu()
         for stale in self.runtime_names()[:3]:
             (self.directory / stale).unlink(missing_ok=True)
         done = subprocess.run(self.argv(qemu), cwd=self.directory, capture_output=True, text=True,
-                              stdin=subprocess.DEVNULL)
+                              stdin=subprocess.DEVNULL, pass_fds=pass_fds)
         if done.returncode != 0:
             lines = (done.stderr or done.stdout).strip().splitlines()
             raise VMError(f"QEMU did not start: {lines[-1] if lines else done.returncode}")

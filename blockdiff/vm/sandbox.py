@@ -57,7 +57,7 @@ from blockdiff.store.catalog import Snapshot
 from blockdiff.store.retention import PART_OF
 from blockdiff.store.store import Store, as_store
 from blockdiff.vm.guestlink import THAW, ExecResult, GuestLink
-from blockdiff.vm.machine import DEFAULT_BOOT_TIMEOUT, Machine
+from blockdiff.vm.machine import DEFAULT_BOOT_TIMEOUT, WAITING_FORK, Machine
 from blockdiff.vm.registry import Registry, check_name
 from blockdiff.vm.standby import NOTHING_WRITTEN, Standby
 
@@ -132,7 +132,8 @@ class Sandbox:
         self.directory = self.vm.directory
         self.config = self.vm.config
         self.disk = self.vm.disk
-        self.standby = Standby(self.store, self.directory)
+        self.standby = Standby(self.store, self.directory,
+                               spares_ready=self._start_waiting_for_a_fork)
         # Where the memory image of the last restore or fork with memory came
         # from (see blockdiff.vm.standby): "standby" (a restore swapped it
         # in), "spare" (a fork took it), "standby copy" (a fork cloned it),
@@ -341,6 +342,15 @@ class Sandbox:
         (see Machine.start_waiting), if the VM runs with memory checkpoints."""
         if self.machine.memory_backed:
             self.machine.start_waiting(self.standby.path)
+
+    def _start_waiting_for_a_fork(self) -> None:
+        """Start a QEMU on the spares for the next fork to take over, if the
+        VM runs with memory checkpoints and both spares are there (a fork
+        may take them meanwhile: then none is started)."""
+        if self.machine.memory_backed:
+            with contextlib.suppress(FileNotFoundError):
+                self.machine.start_waiting(self.standby.memory_spare.path,
+                                           self.standby.disk_spare.path, kind=WAITING_FORK)
 
     def _forget_checkpoints(self) -> None:
         # What the protocol knew of a QEMU process that is gone.
@@ -810,6 +820,9 @@ class Sandbox:
                 other.memory_source = other._new_memory_image(memory_snap, _standby)
                 if _standby is not None and _standby.disk_spare.give(other.disk, snap.size):
                     other.disk_source = "spare"
+                if start and other.memory_source == other.disk_source == "spare":
+                    # The QEMU waiting on both, for the launch to take over.
+                    other.machine.hand_over_waiting(_standby.path.parent)
                 with other._lock():
                     other._resume(snap, memory_snap, timeout, start=start, fresh=True,
                                   progress=progress,

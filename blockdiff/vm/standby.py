@@ -9,9 +9,9 @@ millisecond per dirty MiB, scattered (some 40 ms after a small step, far more
 after a large one). No guest runs on the standby, so nothing writes it: its
 extent map is its snapshot's, and bringing it to another snapshot rewrites
 only where the two snapshots' extent maps differ, with nothing to write
-back or map first. (The one QEMU that maps it, started ahead for the next
-restore, waits for a device state, and neither reads nor writes guest RAM
-before it has one: see ``Machine.start_waiting``.)
+back or map first. (The QEMUs that map it and the spares, started ahead for
+the next restore or fork, wait for a device state, and neither read nor
+write guest RAM before they have one: see ``Machine.start_waiting``.)
 
 - A restore brings it to the checkpoint (``bring``) while the dead VM's
   QEMU is stopped, then swaps it with the dead VM's memory image
@@ -56,6 +56,7 @@ import contextlib
 import fcntl
 import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +71,9 @@ STANDBY = "memory.standby"
 STANDBY_LOCK = "memory.standby.lock"
 MEMORY_SPARE = "memory.spare"
 DISK_SPARE = "disk.spare"
+# How long a restore waits for another's hold on the standby before it does
+# without: a clone of it for the memory spare takes tens of milliseconds.
+BRING_WAIT = 0.25
 # Nothing written since its snapshot: the in-place restore compares maps only.
 NOTHING_WRITTEN = (np.zeros(0, np.uint64), np.zeros(0, np.uint64))
 
@@ -132,8 +136,13 @@ class Standby:
     """The standby memory image of the VM whose directory is ``directory``,
     and the spares its forks take."""
 
-    def __init__(self, store: Store, directory: Path):
+    def __init__(self, store: Store, directory: Path, *, spares_ready=None):
+        """``spares_ready()``: called in the spares' thread, at the process's
+        usual priority, each time both spares were prepared (its error, if
+        any, is ``spares_failure``; not called where that priority cannot
+        be had back, without CAP_SYS_NICE)."""
         self.store = store
+        self.spares_ready = spares_ready
         self.path = directory / STANDBY
         self._building = directory / f".{STANDBY}.new"
         self._swapping = directory / f".{STANDBY}.swap"
@@ -229,7 +238,8 @@ class Standby:
         move failed (``failure`` says why; its lineage then says
         "restoring", and nothing takes it)."""
         self.wait_standby()
-        with locked(self._lock_path, wait=False) as had:
+        # The spares' thread may be cloning it (a shared hold, tens of ms).
+        with locked(self._lock_path, wait=BRING_WAIT) as had:
             size = self.store.get(memory_snapshot_id).size
             if not had or not clean(self.store, self.path, size):
                 return False
@@ -341,6 +351,13 @@ class Standby:
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, me, 19 if idle else usual)
             self._prepare_spares(memory_snapshot_id, disk_snapshot_id)
+            if self.spares_ready is not None and self.spares_failure is None:
+                with contextlib.suppress(OSError):
+                    os.setpriority(os.PRIO_PROCESS, me, usual)
+                    try:
+                        self.spares_ready()
+                    except Exception as e:   # noqa: BLE001 - see spares_failure
+                        self.spares_failure = e
 
     def _prepare_spares(self, memory_snapshot_id: str | None,
                         disk_snapshot_id: str | None) -> None:
@@ -419,17 +436,23 @@ def build(store: Store, building: Path, final: Path, size: int, mode: int, fill)
 
 
 @contextlib.contextmanager
-def locked(path: Path, *, wait: bool, shared: bool = False):
+def locked(path: Path, *, wait: bool | float, shared: bool = False):
     """The lock file ``path`` held (yields whether it was had: without
-    ``wait``, not while another holds it against this)."""
+    ``wait``, not while another holds it against this; with ``wait`` a
+    number, not if another still holds it after that many seconds)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+    deadline = time.monotonic() + (wait if wait is not True else 0)
     try:
-        try:
-            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
-                        | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            yield False
-            return
+        while True:
+            try:
+                fcntl.flock(fd, mode | (0 if wait is True else fcntl.LOCK_NB))
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    yield False
+                    return
+                time.sleep(0.002)
         yield True
     finally:
         os.close(fd)
