@@ -579,7 +579,8 @@ class Sandbox:
             self.memory_source = ""
             if memory_snap is not None:
                 written = None
-                with ThreadPoolExecutor(1) as pool:
+                self.standby.last_bring = {}
+                with ThreadPoolExecutor(2) as pool:
                     # The standby brought to the checkpoint while QEMU stops.
                     ahead = pool.submit(self.standby.bring, memory_snap.id)
                     if self.machine.running:
@@ -590,14 +591,20 @@ class Sandbox:
                                 self.store.lineage_mark(self.disk))
                     self._kill(keep_waiting=True)    # for the launch to take over
                     killed = time.monotonic()
+                    # Then the disk, in place, beside the standby's move and
+                    # the resume: the guest uses it only once resumed.
+                    disk_ahead = (pool.submit(self._restore_disk, snap, written)
+                                  if self._holds_size(self.disk, snap.size) else None)
                     ahead.result()
-                brought = time.monotonic()
-                (self.directory / RESUME_FROM).unlink(missing_ok=True)
-                if self.standby.take(self.machine.memory_image, memory_snap.size):
-                    self.memory_source = "standby"
-                self._resume(snap, memory_snap, timeout, written=written)
+                    brought = time.monotonic()
+                    (self.directory / RESUME_FROM).unlink(missing_ok=True)
+                    if self.standby.take(self.machine.memory_image, memory_snap.size):
+                        self.memory_source = "standby"
+                    self._resume(snap, memory_snap, timeout, written=written,
+                                 disk_ahead=disk_ahead)
                 tracked = written is not None
                 self.last_restore_phases = ({"stop": killed - start, "standby": brought - start}
+                                            | self.standby.last_bring
                                             | self.last_restore_phases)
             elif not self.machine.running:
                 self.store.restore(snap.id, self.disk)
@@ -617,9 +624,17 @@ class Sandbox:
                                               and self.machine.took_waiting)
             return self.last_restore
 
+    def _restore_disk(self, snap: Snapshot, written) -> tuple[str | None, float]:
+        """The disk restored in place (``written`` as for ``Store.restore``):
+        its lineage mark then, and the seconds it took."""
+        began = time.monotonic()
+        self.store.restore(snap.id, self.disk, written=written)
+        return self.store.lineage_mark(self.disk), time.monotonic() - began
+
     def _resume(self, snap: Snapshot, memory_snap: Snapshot, timeout: float, *,
                 start: bool = True, disk: bool = True, written=None,
-                fresh: bool = False, progress: Progress = NO_PROGRESS) -> None:
+                fresh: bool = False, progress: Progress = NO_PROGRESS,
+                disk_ahead=None) -> None:
         """With QEMU not running: the disk (unless it is the checkpoint's
         already: not ``disk``; ``written`` as for ``Store.restore``) and the
         memory image restored to the checkpoint, then (``start``) a QEMU
@@ -631,6 +646,8 @@ class Sandbox:
         ``memory_source`` says whether the memory image is a standby or a
         spare (see blockdiff.vm.standby) or a copy of one, clean at its
         snapshot.
+        ``disk_ahead``: the future of ``_restore_disk``, restoring the disk
+        already (taken instead, unless the disk is to be restored again).
         ``last_restore_phases`` says how long each took."""
         phases = self.last_restore_phases = {}
         image = self.machine.memory_image
@@ -648,7 +665,11 @@ class Sandbox:
                                    written=NOTHING_WRITTEN if trusted else None)
             phases["memory"] = time.monotonic() - began
 
-        def restore_disk(written) -> str:
+        def restore_disk(written, again: bool = False) -> str:
+            if disk_ahead is not None:
+                mark, phases["disk"] = disk_ahead.result()
+                if not again:
+                    return mark
             began = time.monotonic()
             if disk:
                 self.store.restore(snap.id, self.disk, written=written, progress=progress)
@@ -656,7 +677,7 @@ class Sandbox:
             return self.store.lineage_mark(self.disk)
 
         def restore(written=written, again: bool = False) -> str:
-            mark = restore_disk(written)
+            mark = restore_disk(written, again)
             restore_memory(again)
             return mark
 

@@ -159,6 +159,8 @@ class Standby:
         # these only ever make a restore or a fork faster.
         self.failure: Exception | None = None
         self.spares_failure: Exception | None = None
+        # Seconds per phase of the last ``bring``.
+        self.last_bring: dict[str, float] = {}
 
     def prepare(self, memory_snapshot_id: str, disk_snapshot_id: str | None = None, *,
                 then=None) -> None:
@@ -237,18 +239,23 @@ class Standby:
         that QEMU's); False if not, if another process holds it, or if the
         move failed (``failure`` says why; its lineage then says
         "restoring", and nothing takes it)."""
+        began = time.monotonic()
         self.wait_standby()
+        waited = time.monotonic()
         # The spares' thread may be cloning it (a shared hold, tens of ms).
         with locked(self._lock_path, wait=BRING_WAIT) as had:
+            locked_at = time.monotonic()
+            self.last_bring = {"standby-wait": waited - began, "standby-lock": locked_at - waited}
             size = self.store.get(memory_snapshot_id).size
             if not had or not clean(self.store, self.path, size):
                 return False
+            # Not warmed here: the resume warms it beside QEMU's loading.
             try:
                 self.store.restore(memory_snapshot_id, self.path, written=NOTHING_WRITTEN)
-                warm_whole(self.path)   # where the move dropped its page cache
             except Exception as e:   # noqa: BLE001 - see failure
                 self.failure = e
                 return False
+            self.last_bring["standby-move"] = time.monotonic() - locked_at
             return True
 
     def take(self, image: Path, size: int) -> bool:
