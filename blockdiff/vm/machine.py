@@ -374,24 +374,28 @@ class Machine:
             return
         self.kill_waiting((kind,))
         fds = []
+        prefix = f"{kind}{secrets.token_hex(4)}."
         try:
             for path in (memory_image, disk):
                 fds.append(os.open(path, os.O_RDWR | os.O_CLOEXEC))
             launch = self._launch(accel, incoming=True, memory_image=Path(f"/dev/fd/{fds[0]}"),
-                                  runtime_prefix=f"{kind}{secrets.token_hex(4)}.")
+                                  runtime_prefix=prefix)
             replace(launch, disk=Path(f"/dev/fd/{fds[1]}")).start(pass_fds=fds)
         finally:
             for fd in fds:
                 os.close(fd)
-        if not self.running:    # stopped meanwhile, by another process
-            self.kill_waiting()
+        if not self.running:
+            # Stopped meanwhile (or being restored, by another thread or
+            # process): this one is killed, any other left to its owner.
+            self.kill_waiting((prefix,))
 
     def _waiting_qemus(self, kinds=WAITING_KINDS, directory: Path | None = None):
-        """``(pid, prefix)`` of each QEMU of these kinds waiting in this VM's
-        directory (or ``directory``), pid None where its process is gone: a
-        QEMU whose command line names its pid file (with its token)."""
+        """``(pid, prefix)`` of each QEMU of these kinds (or with these
+        prefixes) waiting in this VM's directory (or ``directory``), pid None
+        where its process is gone: a QEMU whose command line names its pid
+        file (with its token)."""
         for kind in kinds:
-            for pid_file in (directory or self.directory).glob(f"{kind}*.{PID_FILE}"):
+            for pid_file in (directory or self.directory).glob(f"{kind}*{PID_FILE}"):
                 pid = None
                 with contextlib.suppress(OSError, ValueError):
                     pid = int(pid_file.read_text())
@@ -866,15 +870,21 @@ class Machine:
 
 
 def _wait_exit(pid: int, timeout: float) -> bool:
+    """Whether process ``pid`` exited within ``timeout`` seconds: gone, or a
+    zombie with no thread left. Its main thread is a zombie as soon as it
+    exited, but its files (and QEMU's locks on the disk) are let go only
+    once its last thread did, which for a QEMU tearing down guest RAM can
+    be later: a new QEMU would find the disk still locked."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return True
+                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+            if zombie and os.listdir(f"/proc/{pid}/task") == [str(pid)]:
+                return True
         except OSError:
             return True
-        time.sleep(0.02)
+        time.sleep(0.002)
     return False
 
 
