@@ -31,8 +31,9 @@ Files in the VM's directory while QEMU runs::
     dirty-tracking.json               the current dirty bitmap
     accel, console.log                kvm or tcg, the guest's console (both kept)
     memory.img                        guest RAM, then the device state (kept)
-    waiting.TOKEN.*                   a QEMU waiting for the next restore: its
-                                      qmp.sock, guestd.sock, qemu.pid, console.log
+    waiting.TOKEN.*                   a QEMU waiting for the next restore (and
+    waiting-fork.TOKEN.*              one for the next fork): its qmp.sock,
+                                      guestd.sock, qemu.pid and console.log
 
 The memory image: its first ``memory_mb`` MiB are the guest's RAM, mapped
 shared by QEMU; the ``DEVICE_STATE_AREA`` after them holds the device state
