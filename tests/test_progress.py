@@ -270,7 +270,8 @@ def test_vm_create_start_and_fork_report_their_phases(xfs, vm_image):  # noqa: F
             # From the checkpoint's memory: no boot to report; the disk's
             # layers checked as it is filled from them.
             box.standby.wait()
-            box.standby.disk_spare.path.unlink()
+            for pair in box.standby.pairs:
+                pair.disk.path.unlink()
             rec = Recorder()
             assert box.fork(snapshot, "box3", progress=rec).disk_source == ""
             rec.check_complete()

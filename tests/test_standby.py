@@ -77,6 +77,11 @@ def prepared_at_first(store: Store, xfs, rnd: random.Random, count: int):
     return standby, taken
 
 
+def spares(standby: Standby):
+    """Every spare of ``standby``, pair by pair, memory then disk."""
+    return [spare for pair in standby.pairs for spare in (pair.memory, pair.disk)]
+
+
 def test_a_standby_is_built_moved_taken_and_prepared_again(store, xfs):
     rnd = random.Random(7)
     (a, a_hash), (b, b_hash), (c, c_hash) = snapshots(store, xfs, rnd, 3)
@@ -129,7 +134,8 @@ def test_a_standby_is_built_moved_taken_and_prepared_again(store, xfs):
     assert standby.failure is None
     assert digest(standby.path) == a_hash and store.lineage(standby.path) == (a.id, "clean")
     assert sorted(p.name for p in vm.iterdir()) == [
-        "memory.img", "memory.spare", "memory.spare.lock", "memory.standby", STANDBY_LOCK]
+        "memory.img", "memory.spare", "memory.spare-2", "memory.spare-2.lock",
+        "memory.spare.lock", "memory.standby", STANDBY_LOCK]
 
 
 def test_forks_take_the_spares_which_are_then_made_anew(store, xfs):
@@ -138,7 +144,7 @@ def test_forks_take_the_spares_which_are_then_made_anew(store, xfs):
     vm = xfs / "vm"
     vm.mkdir()
     standby = Standby(store, vm)
-    memory, disk = standby.memory_spare, standby.disk_spare
+    memory, disk = standby.pairs[0].memory, standby.pairs[0].disk
 
     standby.prepare(a.id, b.id)          # built: a clone of the standby, from the layers
     standby.wait()
@@ -189,6 +195,60 @@ def test_forks_take_the_spares_which_are_then_made_anew(store, xfs):
     assert not [p.name for p in vm.iterdir() if p.name.startswith(".")]
 
 
+def test_forks_in_a_row_take_a_pair_each_and_only_the_pairs_taken_are_made_anew(store, xfs):
+    rnd = random.Random(12)
+    (a, a_hash), (b, b_hash), (c, c_hash) = snapshots(store, xfs, rnd, 3)
+    vm = xfs / "vm"
+    vm.mkdir()
+    standby = Standby(store, vm)
+    first, second = standby.pairs
+    standby.prepare(c.id, c.id)
+    standby.wait()
+    assert standby.spares_failure is None
+    assert all(store.lineage(spare.path) == (c.id, "clean") for spare in spares(standby))
+
+    fork = xfs / "fork"
+    fork.mkdir()
+    # The first pair is being made anew (its memory spare's lock held):
+    # the next fork takes the second pair, both of its spares.
+    lock = os.open(first.memory.lock_path, os.O_RDWR)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        assert standby.give_spares(fork / "m1", SIZE, empty(fork / "d1"), SIZE) == (True, True)
+    finally:
+        os.close(lock)
+    assert not second.memory.path.exists() and not second.disk.path.exists()
+    assert first.memory.ready() and first.disk.ready()
+    # Only the pair taken is made anew (the memory spare a clone of the
+    # standby, the disk at the fork's snapshot); the other stays at c.
+    standby.prepare_spares(None, a.id, missing_only=True)
+    standby.wait()
+    assert standby.spares_failure is None
+    assert store.lineage(second.memory.path) == (c.id, "clean")
+    assert digest(second.memory.path) == c_hash
+    assert store.lineage(second.disk.path) == (a.id, "clean")
+    assert digest(second.disk.path) == a_hash
+    assert all(store.lineage(spare.path) == (c.id, "clean") for spare in (first.memory, first.disk))
+
+    # Two forks take both pairs; a third finds none, and nothing changed.
+    assert standby.give_spares(fork / "m2", SIZE, empty(fork / "d2"), SIZE) == (True, True)
+    assert standby.give_spares(fork / "m3", SIZE, empty(fork / "d3"), SIZE) == (True, True)
+    assert standby.give_spares(fork / "m4", SIZE, empty(fork / "d4"), SIZE) == (False, False)
+    assert (fork / "d4").read_bytes() == bytes(SIZE) and not (fork / "m4").exists()
+    # A disk spare without its memory spare is still given.
+    standby.prepare_spares(None, b.id, missing_only=True)
+    standby.wait()
+    assert first.memory.give(fork / "m5", SIZE)
+    assert standby.give_spares(fork / "m6", SIZE, empty(fork / "d6"), SIZE) == (True, True)
+    assert standby.give_spares(fork / "m7", SIZE, empty(fork / "d7"), SIZE) == (False, True)
+    # Each one given restores to any snapshot, rewriting only what differs.
+    for name in ("m1", "d1", "m2", "d2", "m3", "d3", "m6", "d6", "d7"):
+        assert store.lineage(fork / name)[1] == "clean"
+        assert store.restore(b.id, fork / name, written=NOTHING_WRITTEN).tracked
+        assert digest(fork / name) == b_hash
+    assert not [p.name for p in vm.iterdir() if p.name.startswith(".")]
+
+
 def test_spares_asked_for_in_a_row_end_where_the_last_asked(store, xfs):
     """Checkpoints faster than the spares move: one thread at a time, which
     skips to the last snapshot asked for instead of a backlog of moves."""
@@ -200,7 +260,7 @@ def test_spares_asked_for_in_a_row_end_where_the_last_asked(store, xfs):
     standby.wait()
     assert standby.spares_failure is None and threading.active_count() == threads
     last, last_hash = taken[-1]
-    for spare in (standby.memory_spare, standby.disk_spare):
+    for spare in spares(standby):
         assert digest(spare.path) == last_hash and store.lineage(spare.path) == (last.id, "clean")
 
 
@@ -227,7 +287,7 @@ def test_spares_moved_beside_a_removal_never_give_wrong_bytes(store, xfs):
     removing.join()
     standby.wait()
     assert not failed
-    for n, spare in enumerate((standby.memory_spare, standby.disk_spare)):
+    for n, spare in enumerate(spares(standby)):
         image = xfs / f"fork{n}.img"
         if spare.give(image, SIZE):
             known, _ = store.lineage(image)
@@ -314,17 +374,21 @@ def test_restores_through_the_standby_always_give_the_snapshot(store, xfs, seed,
             taken.append((store.commit(image), digest(image)))
         elif op == "fork":
             fork, disk = vm / "fork.img", empty(vm / "disk.img")
-            if standby.memory_spare.give(fork, SIZE):
+            memory_given, disk_given = standby.give_spares(fork, SIZE, disk, SIZE)
+            if memory_given:
                 written = NOTHING_WRITTEN
             else:
                 empty(fork)
                 written = NOTHING_WRITTEN if standby.copy_to(fork, SIZE, snap.id) else None
             store.restore(snap.id, fork, written=written)
-            written = NOTHING_WRITTEN if standby.disk_spare.give(disk, SIZE) else None
-            store.restore(snap.id, disk, written=written)
+            store.restore(snap.id, disk, written=NOTHING_WRITTEN if disk_given else None)
             assert digest(fork) == want and digest(disk) == want
             fork.unlink()
             disk.unlink()
+            if k % 2:           # the pair taken made anew, as after a sandbox's fork
+                standby.prepare_spares(None, snap.id, missing_only=True)
+                standby.wait()
+                assert standby.spares_failure is None
         else:
             written = NOTHING_WRITTEN if standby.take(image, SIZE) else None
             store.restore(snap.id, image, written=written)

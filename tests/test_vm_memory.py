@@ -162,7 +162,7 @@ def test_restores_start_from_the_standby_and_bring_back_each_checkpoint(store, b
         fork.destroy()
     box.standby.wait()
     assert box.standby.failure is None and box.standby.spares_failure is None
-    spares = box.standby.memory_spare, box.standby.disk_spare
+    spares = [spare for pair in box.standby.pairs for spare in (pair.memory, pair.disk)]
     assert all(store.lineage(spare.path)[1] == "clean" for spare in spares)
     assert store.verify() == {}
 
@@ -226,24 +226,37 @@ def test_forks_take_over_the_qemu_waiting_on_the_spares(store, box):
     pid, digest = running_step(box)
     checkpoint = box.checkpoint("one")
     box.standby.wait()
-    (ready,) = waiting(box, machine_module.WAITING_FORK)
+    # One waits on each pair of spares.
+    ready = waiting(box, machine_module.WAITING_FORK)
+    assert len(ready) == 2 and ready <= qemus_of("box")
     fork = box.fork(checkpoint, "fork")
     try:
         assert fork.memory_source == fork.disk_source == "spare" and fork.machine.took_waiting
-        assert fork.pid == ready and fork.machine.memory_backed
+        assert fork.pid in ready and fork.machine.memory_backed
         assert alive(fork, pid) and payload_hash(fork) == digest
-        # Another is started on the spares made anew, for the next fork.
-        box.standby.wait()
-        (again,) = waiting(box, machine_module.WAITING_FORK)
-        assert again != ready
+        # The next fork, at once, while the pair the first took is made
+        # anew, takes the other pair and the QEMU waiting on it.
         other = box.fork(checkpoint, "other")
-        assert other.machine.took_waiting and other.pid == again
+        assert other.memory_source == other.disk_source == "spare"
+        assert other.machine.took_waiting and other.pid in ready - {fork.pid}
         assert alive(other, pid) and payload_hash(other) == digest
         run(other, f"kill {pid}")
         assert alive(fork, pid) and alive(box, pid)
         assert MEMORY_KEY in store.get(other.checkpoint("in a fork")).meta
         other.destroy()
-        assert again not in qemus_of("box")
+        assert other.pid is None and not ready - {fork.pid} & qemus_of("box")
+        # Both pairs made anew, with a new QEMU on each.
+        box.standby.wait()
+        again = waiting(box, machine_module.WAITING_FORK)
+        assert len(again) == 2 and not again & ready
+        # A fork left stopped keeps no QEMU: it resumes when started.
+        stopped = box.fork(checkpoint, "stopped", start=False)
+        assert stopped.memory_source == stopped.disk_source == "spare"
+        assert not qemus_of("stopped") and len(again & qemus_of("box")) == 1
+        assert not [p.name for p in stopped.directory.iterdir() if p.name.startswith("waiting")]
+        stopped.start()
+        assert alive(stopped, pid) and payload_hash(stopped) == digest
+        stopped.destroy()
     finally:
         fork.destroy()
     box.standby.wait()

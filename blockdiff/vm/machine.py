@@ -95,7 +95,7 @@ MEMORY_IMAGE = "memory.img"
 # token of its own: its files are never those of another QEMU, which may
 # remove its own when it exits.
 WAITING = "waiting."            # on the standby, for a restore
-WAITING_FORK = "waiting-fork."  # on the spares, for a fork
+WAITING_FORK = "waiting-fork"   # on a pair of spares, for a fork: see fork_waiting
 WAITING_KINDS = (WAITING, WAITING_FORK)
 MiB = 1 << 20
 # Behind the RAM in the memory image, for the device state (sparse: only
@@ -359,8 +359,8 @@ class Machine:
         """Have a QEMU wait, paused, with ``-incoming defer``, on
         ``memory_image`` and ``disk`` (the VM's own by default), for the next
         incoming launch that finds them in place to take over: ``kind``
-        ``WAITING`` for a restore (on the standby), ``WAITING_FORK`` for a
-        fork (on the spares, handed over by ``hand_over_waiting``). Keeps
+        ``WAITING`` for a restore (on the standby), ``fork_waiting(N)`` for
+        a fork (on pair of spares N, handed over by ``hand_over_waiting``). Keeps
         the one of that kind waiting already if it holds those files; else
         kills it. Only while the VM runs: stopping it kills them all
         (``kill_waiting``). The files are opened first and QEMU given them
@@ -461,6 +461,16 @@ class Machine:
                 _wait_exit(pid, 10.0)
             for name in runtime_names(prefix):
                 (self.directory / name).unlink(missing_ok=True)
+
+    def forks_waiting(self, source: Path) -> list[int]:
+        """The numbers of the pairs of spares in directory ``source`` (another
+        VM's) that a fork's QEMU waits on."""
+        numbers = []
+        for pid, prefix in self._waiting_qemus((WAITING_FORK,), source):
+            number = prefix[len(WAITING_FORK):].partition(".")[0]   # see fork_waiting
+            if pid is not None and number.isdigit():
+                numbers.append(int(number))
+        return numbers
 
     def hand_over_waiting(self, source: Path) -> bool:
         """Move the runtime files of the fork's QEMU waiting in directory
@@ -1014,6 +1024,12 @@ def drop_dirty_bitmaps(q: QMP, keep: str) -> None:
                     q.command("block-export-del", id=name, mode="hard")
                 with contextlib.suppress(VMError):
                     q.command("block-dirty-bitmap-remove", node=DISK_NODE, name=name)
+
+
+def fork_waiting(pair: int) -> str:
+    """The kind of the QEMU waiting on the VM's pair of spares number
+    ``pair`` (see blockdiff.vm.standby), for a fork."""
+    return f"{WAITING_FORK}{pair}."
 
 
 def _cmdline(pid: int) -> list[str]:

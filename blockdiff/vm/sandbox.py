@@ -57,7 +57,7 @@ from blockdiff.store.catalog import Snapshot
 from blockdiff.store.retention import PART_OF
 from blockdiff.store.store import Store, as_store
 from blockdiff.vm.guestlink import THAW, ExecResult, GuestLink
-from blockdiff.vm.machine import DEFAULT_BOOT_TIMEOUT, WAITING_FORK, Machine
+from blockdiff.vm.machine import DEFAULT_BOOT_TIMEOUT, Machine, fork_waiting
 from blockdiff.vm.registry import Registry, check_name
 from blockdiff.vm.standby import NOTHING_WRITTEN, Standby
 
@@ -344,13 +344,15 @@ class Sandbox:
             self.machine.start_waiting(self.standby.path)
 
     def _start_waiting_for_a_fork(self) -> None:
-        """Start a QEMU on the spares for the next fork to take over, if the
-        VM runs with memory checkpoints and both spares are there (a fork
-        may take them meanwhile: then none is started)."""
+        """Start a QEMU on each pair of spares for the next fork to take
+        over, if the VM runs with memory checkpoints and both spares of the
+        pair are there (a fork may take them meanwhile: then none is
+        started on that pair)."""
         if self.machine.memory_backed:
-            with contextlib.suppress(FileNotFoundError):
-                self.machine.start_waiting(self.standby.memory_spare.path,
-                                           self.standby.disk_spare.path, kind=WAITING_FORK)
+            for pair in self.standby.pairs:
+                with contextlib.suppress(FileNotFoundError):
+                    self.machine.start_waiting(pair.memory.path, pair.disk.path,
+                                               kind=fork_waiting(pair.number))
 
     def _forget_checkpoints(self) -> None:
         # What the protocol knew of a QEMU process that is gone.
@@ -838,12 +840,22 @@ class Sandbox:
         if memory_snap is not None:
             try:
                 other._check_machine(snap, memory_snap, other.machine)
-                other.memory_source = other._new_memory_image(memory_snap, _standby)
-                if _standby is not None and _standby.disk_spare.give(other.disk, snap.size):
+                given = (False, False)
+                if _standby is not None:
+                    # A pair a QEMU waits on first: one just made anew may
+                    # have none yet.
+                    given = _standby.give_spares(
+                        other.machine.memory_image, memory_snap.size, other.disk, snap.size,
+                        first=other.machine.forks_waiting(_standby.path.parent))
+                other.memory_source = other._new_memory_image(memory_snap, _standby, given[0])
+                if given[1]:
                     other.disk_source = "spare"
-                if start and other.memory_source == other.disk_source == "spare":
-                    # The QEMU waiting on both, for the launch to take over.
-                    other.machine.hand_over_waiting(_standby.path.parent)
+                if (other.memory_source == other.disk_source == "spare"
+                        and other.machine.hand_over_waiting(_standby.path.parent)
+                        and not start):
+                    # The QEMU waiting on both is the launch's to take over:
+                    # none for a fork left stopped.
+                    other.machine.kill_waiting()
                 with other._lock():
                     other._resume(snap, memory_snap, timeout, start=start, fresh=True,
                                   progress=progress,
@@ -852,21 +864,24 @@ class Sandbox:
                 other.destroy()
                 raise
             if "spare" in (other.memory_source, other.disk_source):
-                # For the next fork, while this one runs: the memory spare a
-                # clone of the standby as it is (a move costs as much as the
-                # next fork saves, wherever it goes), the disk this fork's;
-                # at once, since forks often come in a row.
-                _standby.prepare_spares(None, snap.id)
+                # For the fork after the next, while this one runs: the
+                # spares taken made anew, the memory spare a clone of the
+                # standby as it is (a move costs as much as the next fork
+                # saves, wherever it goes), the disk this fork's; at once,
+                # since forks often come in a row.
+                _standby.prepare_spares(None, snap.id, missing_only=True)
         elif start:
             other.start(timeout=timeout, progress=progress)
         return other
 
-    def _new_memory_image(self, memory_snap: Snapshot, standby: Standby | None) -> str:
-        """This new VM's memory image, at the size of ``memory_snap``: the
-        memory spare of ``standby`` ("spare"), or else a copy of the standby
-        ("standby copy"), or else empty (""). See blockdiff.vm.standby."""
+    def _new_memory_image(self, memory_snap: Snapshot, standby: Standby | None,
+                          spare: bool) -> str:
+        """This new VM's memory image, at the size of ``memory_snap``: a
+        memory spare of ``standby`` given already (``spare``: "spare"), or
+        else a copy of the standby ("standby copy"), or else empty ("").
+        See blockdiff.vm.standby."""
         image, size = self.machine.memory_image, memory_snap.size
-        if standby is not None and standby.memory_spare.give(image, size):
+        if spare:
             return "spare"
         _empty_file(image, size, 0o600)   # guest RAM
         # Before QEMU starts: a clone beside its start slowed both (in four

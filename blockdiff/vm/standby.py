@@ -71,6 +71,12 @@ STANDBY = "memory.standby"
 STANDBY_LOCK = "memory.standby.lock"
 MEMORY_SPARE = "memory.spare"
 DISK_SPARE = "disk.spare"
+# Forks often come in a row (best-of-N from one step): each takes a pair
+# while the pair the one before took is made anew (a clone of the standby,
+# a disk from the layers, a QEMU started: several hundred ms on two busy
+# cores, where a fork that finds no pair copies the standby and starts its
+# own QEMU under that contention).
+SPARE_PAIRS = 2
 # How long a restore waits for another's hold on the standby before it does
 # without: a clone of it for the memory spare takes tens of milliseconds.
 BRING_WAIT = 0.25
@@ -107,6 +113,13 @@ class Spare:
                 return False    # nothing renamed: the fork fills its own
             return True
 
+    def ready(self) -> bool:
+        """Whether the spare is there, clean at a snapshot the store has."""
+        if not os.path.lexists(self.path):
+            return False
+        known, state = self.store.lineage(self.path)
+        return known is not None and state == "clean"
+
     def move(self, snapshot_id: str, clone_of: Path | None = None) -> None:
         """Bring the spare to ``snapshot_id``: in place where it is clean,
         else built anew, as a reflink copy of ``clone_of`` (an image clean at
@@ -132,13 +145,26 @@ class Spare:
             or self.store.restore(snapshot_id, self._building)))
 
 
+class SparePair:
+    """A memory spare and a disk spare (``memory.spare``, ``disk.spare``;
+    ``memory.spare-2``, ``disk.spare-2`` for the second pair) that one fork
+    takes together, with the QEMU waiting on both."""
+
+    def __init__(self, store: Store, directory: Path, number: int):
+        suffix = f"-{number + 1}" if number else ""
+        self.number = number
+        self.memory = Spare(store, directory / f"{MEMORY_SPARE}{suffix}", 0o600,   # guest RAM
+                            warm=True)
+        self.disk = Spare(store, directory / f"{DISK_SPARE}{suffix}", 0o666)   # a fork's disk
+
+
 class Standby:
     """The standby memory image of the VM whose directory is ``directory``,
-    and the spares its forks take."""
+    and the pairs of spares its forks take."""
 
     def __init__(self, store: Store, directory: Path, *, spares_ready=None):
         """``spares_ready()``: called in the spares' thread, at the process's
-        usual priority, each time both spares were prepared (its error, if
+        usual priority, each time the spares were prepared (its error, if
         any, is ``spares_failure``; not called where that priority cannot
         be had back, without CAP_SYS_NICE)."""
         self.store = store
@@ -147,9 +173,7 @@ class Standby:
         self._building = directory / f".{STANDBY}.new"
         self._swapping = directory / f".{STANDBY}.swap"
         self._lock_path = directory / STANDBY_LOCK
-        self.memory_spare = Spare(store, directory / MEMORY_SPARE, 0o600,   # guest RAM
-                                  warm=True)
-        self.disk_spare = Spare(store, directory / DISK_SPARE, 0o666)   # as a fork's disk
+        self.pairs = tuple(SparePair(store, directory, n) for n in range(SPARE_PAIRS))
         self._thread: threading.Thread | None = None          # the standby's
         self._spares_thread: threading.Thread | None = None   # the spares'
         self._spares_wanted: tuple | None = None   # what it is to do next
@@ -199,21 +223,35 @@ class Standby:
             self.failure = e
 
     def prepare_spares(self, memory_snapshot_id: str | None,
-                       disk_snapshot_id: str | None = None, *, idle: bool = False) -> None:
-        """Start bringing the spares to these snapshots (once a fork took
-        them, anew; the memory spare by default where the standby is), in
-        the background, without waiting for the spares' preparation under
-        way, if any: after it, and in its place if it has not begun (only
-        the last one asked for is made). ``idle``: at the lowest priority
-        (nice 19, that thread only), which still moves on when every core is
-        busy, as ``SCHED_IDLE`` would not: a command's process waits for its
-        threads to exit."""
+                       disk_snapshot_id: str | None = None, *, idle: bool = False,
+                       missing_only: bool = False) -> None:
+        """Start bringing the spares to these snapshots (the memory spares by
+        default where the standby is), in the background, without waiting
+        for the spares' preparation under way, if any: after it, and in its
+        place if it has not begun (only the last one asked for is made).
+        ``missing_only``: only the spares that are not there, clean, are
+        made (a fork took them; the other pair stays where it is, for the
+        next fork). ``idle``: at the lowest priority (nice 19, that thread
+        only), which still moves on when every core is busy, as
+        ``SCHED_IDLE`` would not: a command's process waits for its threads
+        to exit."""
         with self._chaining:
-            self._spares_wanted = (memory_snapshot_id, disk_snapshot_id, idle)
+            self._spares_wanted = (memory_snapshot_id, disk_snapshot_id, idle, missing_only)
             if self._spares_thread is None:
                 self._spares_thread = threading.Thread(
                     target=self._prepare_spares_wanted, name=f"spares {self.path.parent.name}")
                 self._spares_thread.start()
+
+    def give_spares(self, image: Path, size: int, disk: Path, disk_size: int, *,
+                    first=()) -> tuple[bool, bool]:
+        """Rename a memory spare to ``image`` and a disk spare to ``disk``
+        (see ``Spare.give``), both of one pair where it can (the QEMU
+        waiting on that pair holds both), the pairs numbered in ``first``
+        tried first: whether each was given."""
+        pairs = sorted(self.pairs, key=lambda pair: pair.number not in first)
+        memory = next((pair for pair in pairs if pair.memory.give(image, size)), None)
+        ordered = sorted(pairs, key=lambda pair: pair is not memory)
+        return memory is not None, any(pair.disk.give(disk, disk_size) for pair in ordered)
 
     def wait(self) -> None:
         """Until this process's preparations of the standby and the spares,
@@ -352,12 +390,12 @@ class Standby:
                 if wanted is None:
                     self._spares_thread = None
                     return
-            memory_snapshot_id, disk_snapshot_id, idle = wanted
+            memory_snapshot_id, disk_snapshot_id, idle, missing_only = wanted
             # Back from 19 needs CAP_SYS_NICE: without it, a rebuild after a
             # fork asked for while a move ran stays at 19.
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, me, 19 if idle else usual)
-            self._prepare_spares(memory_snapshot_id, disk_snapshot_id)
+            self._prepare_spares(memory_snapshot_id, disk_snapshot_id, missing_only)
             if self.spares_ready is not None and self.spares_failure is None:
                 with contextlib.suppress(OSError):
                     os.setpriority(os.PRIO_PROCESS, me, usual)
@@ -367,25 +405,30 @@ class Standby:
                         self.spares_failure = e
 
     def _prepare_spares(self, memory_snapshot_id: str | None,
-                        disk_snapshot_id: str | None) -> None:
+                        disk_snapshot_id: str | None, missing_only: bool) -> None:
         self.spares_failure = None
         try:
-            if memory_snapshot_id is not None and clean(
-                    self.store, self.memory_spare.path, self.store.get(memory_snapshot_id).size):
-                self.memory_spare.move(memory_snapshot_id)
-            else:
-                # Cloned from the standby, which stays as it is meanwhile.
-                with locked(self._lock_path, wait=True, shared=True):
-                    known, state = self.store.lineage(self.path)
-                    target = memory_snapshot_id or (known if state == "clean" else None)
-                    if target is not None:
-                        self.memory_spare.move(target, clone_of=self.path)
-            if disk_snapshot_id is not None:
-                self.disk_spare.move(disk_snapshot_id)
+            for pair in self.pairs:
+                if not (missing_only and pair.memory.ready()):
+                    self._prepare_memory_spare(pair.memory, memory_snapshot_id)
+                if disk_snapshot_id is not None and not (missing_only and pair.disk.ready()):
+                    pair.disk.move(disk_snapshot_id)
         except Exception as e:   # noqa: BLE001 - see spares_failure
             # A spare left half-moved is marked "restoring" by its lineage:
             # nothing takes it, and the next preparation replaces it.
             self.spares_failure = e
+
+    def _prepare_memory_spare(self, spare: Spare, memory_snapshot_id: str | None) -> None:
+        if memory_snapshot_id is not None and clean(
+                self.store, spare.path, self.store.get(memory_snapshot_id).size):
+            spare.move(memory_snapshot_id)
+            return
+        # Cloned from the standby, which stays as it is meanwhile.
+        with locked(self._lock_path, wait=True, shared=True):
+            known, state = self.store.lineage(self.path)
+            target = memory_snapshot_id or (known if state == "clean" else None)
+            if target is not None:
+                spare.move(target, clone_of=self.path)
 
 
 def warm_whole(path: Path) -> None:
