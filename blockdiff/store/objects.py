@@ -70,29 +70,48 @@ def unlink(path: Path) -> int:
 
 class DecodedCache:
     """What was decoded from objects, kept while the store is open: at most
-    ``limit`` entries, the oldest going first; safe to share between threads."""
+    ``limit`` entries (and, with ``weigh``, at most ``budget`` of what it
+    says they weigh), the least recently used going first; safe to share
+    between threads."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, *, weigh=None, budget: int = 0):
         self._entries: dict = {}
+        self._weights: dict = {}
         self._limit = limit
+        self._weigh = weigh
+        self._budget = budget
+        self._weight = 0
         self._lock = threading.Lock()
 
     def get(self, key):
         """The entry for ``key``, or None."""
         with self._lock:
-            return self._entries.get(key)
+            value = self._entries.pop(key, None)
+            if value is not None:
+                self._entries[key] = value     # the most recently used, last
+            return value
 
     def put(self, key, value) -> None:
         """Keep ``value`` under ``key``."""
+        weight = self._weigh(value) if self._weigh is not None else 0
         with self._lock:
+            self._drop(key)
             self._entries[key] = value
-            while len(self._entries) > self._limit:
-                del self._entries[next(iter(self._entries))]
+            self._weights[key] = weight
+            self._weight += weight
+            while len(self._entries) > 1 and (
+                    len(self._entries) > self._limit
+                    or (self._weigh is not None and self._weight > self._budget)):
+                self._drop(next(iter(self._entries)))
 
     def pop(self, key) -> None:
         """Forget the entry for ``key``, if any."""
         with self._lock:
-            self._entries.pop(key, None)
+            self._drop(key)
+
+    def _drop(self, key) -> None:
+        if self._entries.pop(key, None) is not None:
+            self._weight -= self._weights.pop(key)
 
 
 class ObjectFiles:

@@ -339,9 +339,13 @@ class Sandbox:
 
     def _start_waiting(self) -> None:
         """Start a QEMU on the standby for the next restore to take over
-        (see Machine.start_waiting), if the VM runs with memory checkpoints."""
+        (see Machine.start_waiting), if the VM runs with memory checkpoints;
+        then one on each pair of spares that has none (the spares' thread,
+        which starts them once it moved the spares, finds the VM stopped
+        while a restore runs, and does not start them then)."""
         if self.machine.memory_backed:
             self.machine.start_waiting(self.standby.path)
+            self._start_waiting_for_a_fork()
 
     def _start_waiting_for_a_fork(self) -> None:
         """Start a QEMU on each pair of spares for the next fork to take
@@ -856,19 +860,25 @@ class Sandbox:
                     # The QEMU waiting on both is the launch's to take over:
                     # none for a fork left stopped.
                     other.machine.kill_waiting()
-                with other._lock():
+                with other._lock(), ThreadPoolExecutor(1) as pool:
+                    # A disk spare brought to the checkpoint at once, beside
+                    # the memory image's move and QEMU's start: the guest
+                    # uses its disk only once resumed.
+                    disk_ahead = (pool.submit(other._restore_disk, snap, NOTHING_WRITTEN)
+                                  if start and other.disk_source else None)
                     other._resume(snap, memory_snap, timeout, start=start, fresh=True,
-                                  progress=progress,
+                                  progress=progress, disk_ahead=disk_ahead,
                                   written=NOTHING_WRITTEN if other.disk_source else None)
             except BaseException:
                 other.destroy()
                 raise
             if "spare" in (other.memory_source, other.disk_source):
-                # For the fork after the next, while this one runs: the
-                # spares taken made anew, the memory spare a clone of the
-                # standby as it is (a move costs as much as the next fork
-                # saves, wherever it goes), the disk this fork's; at once,
-                # since forks often come in a row.
+                # The spares taken made anew, while this fork runs: the
+                # memory spare a clone of the standby as it is (a move costs
+                # as much as the next fork saves, wherever it goes), the
+                # disk this fork's; at once and at the usual priority, even
+                # while a pair is left: forks often come in a row, and at
+                # nice 19 a pair took longer to make than two forks.
                 _standby.prepare_spares(None, snap.id, missing_only=True)
         elif start:
             other.start(timeout=timeout, progress=progress)
