@@ -741,6 +741,28 @@ def test_catalog_migrations_apply_once(store, xfs):
     again.close()
 
 
+def test_decoded_maps_are_kept_by_least_recent_use_within_a_budget():
+    from blockdiff.store.objects import DecodedCache
+
+    cache = DecodedCache(3, weigh=len, budget=10)
+    for key in "abc":
+        cache.put(key, "xx")
+    assert cache.get("a") == "xx"          # a is now the most recently used
+    cache.put("d", "xx")                   # over the count: b, the least, goes
+    assert [cache.get(k) for k in "abcd"] == ["xx", None, "xx", "xx"]
+    cache.put("e", "xxxxxx")               # over the count again: a, the least, goes
+    assert [cache.get(k) for k in "acde"] == [None, "xx", "xx", "xxxxxx"]
+    cache.put("e", "x")                    # replaced: its weight with it
+    cache.put("f", "xxxxxxxx")             # 2 + 2 + 1 + 8 > 10: c, then d go
+    assert [cache.get(k) for k in "cdef"] == [None, None, "x", "xxxxxxxx"]
+    cache.put("g", "x" * 50)               # too heavy alone: kept, the rest go
+    assert [cache.get(k) for k in "defg"] == [None, None, None, "x" * 50]
+    cache.pop("g")
+    assert cache.get("g") is None
+    cache.put("h", "xxxxxxxxxx")
+    assert cache.get("h") == "xxxxxxxxxx"
+
+
 def test_maps_are_deltas_with_a_whole_one_every_few_commits(store, xfs):
     from blockdiff.store.store import MAP_CHAIN
 

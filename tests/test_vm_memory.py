@@ -10,10 +10,13 @@ that two forks do not share.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -234,21 +237,22 @@ def test_forks_take_over_the_qemu_waiting_on_the_spares(store, box):
         assert fork.memory_source == fork.disk_source == "spare" and fork.machine.took_waiting
         assert fork.pid in ready and fork.machine.memory_backed
         assert alive(fork, pid) and payload_hash(fork) == digest
-        # The next fork, at once, while the pair the first took is made
-        # anew, takes the other pair and the QEMU waiting on it.
+        # The next fork, at once, takes a pair and the QEMU waiting on it:
+        # the other pair, or the one the first took, if already made anew.
         other = box.fork(checkpoint, "other")
         assert other.memory_source == other.disk_source == "spare"
-        assert other.machine.took_waiting and other.pid in ready - {fork.pid}
+        assert other.machine.took_waiting and other.pid != fork.pid
         assert alive(other, pid) and payload_hash(other) == digest
         run(other, f"kill {pid}")
         assert alive(fork, pid) and alive(box, pid)
         assert MEMORY_KEY in store.get(other.checkpoint("in a fork")).meta
+        taken = {fork.pid, other.pid}
         other.destroy()
-        assert other.pid is None and not ready - {fork.pid} & qemus_of("box")
-        # Both pairs made anew, with a new QEMU on each.
+        assert other.pid is None and not taken - {fork.pid} & qemus_of("box")
+        # Both pairs made anew, with a QEMU on each.
         box.standby.wait()
         again = waiting(box, machine_module.WAITING_FORK)
-        assert len(again) == 2 and not again & ready
+        assert len(again) == 2 and not again & taken
         # A fork left stopped keeps no QEMU: it resumes when started.
         stopped = box.fork(checkpoint, "stopped", start=False)
         assert stopped.memory_source == stopped.disk_source == "spare"
@@ -262,6 +266,42 @@ def test_forks_take_over_the_qemu_waiting_on_the_spares(store, box):
     box.standby.wait()
     box.stop()
     assert not qemus_of("box")
+    assert store.verify() == {}
+
+
+def test_two_processes_forking_one_vm_at_once_each_get_a_whole_fork(store, box):
+    pid, digest = running_step(box)
+    checkpoint = box.checkpoint("one")
+    box.standby.wait()
+    env = dict(os.environ, BLOCKDIFF_STORE=str(store.root))
+    # Each takes a pair of spares, or copies the standby, or fills from the
+    # layers, whichever it finds first: never a file the other took.
+    forking = [subprocess.Popen([sys.executable, "-m", "blockdiff", "vm", "fork", "box",
+                                 checkpoint, name, "--json"], env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+               for name in ("left", "right")]
+    done = [process.communicate(timeout=300) for process in forking]
+    forks = [Sandbox(store, name) for name in ("left", "right")]
+    try:
+        assert [process.returncode for process in forking] == [0, 0], done
+        results = [json.loads(out) for out, _ in done]
+        assert all(result["memory"] and result["running"] for result in results)
+        assert len({fork.pid for fork in forks} | {box.pid}) == 3
+        images = {os.stat(fork.machine.memory_image).st_ino for fork in forks}
+        disks = {os.stat(fork.disk).st_ino for fork in forks}
+        assert len(images) == len(disks) == 2
+        for fork in forks:
+            assert alive(fork, pid) and payload_hash(fork) == digest
+        run(forks[0], f"kill {pid}")
+        assert alive(forks[1], pid) and alive(box, pid)
+    finally:
+        for fork in forks:
+            fork.destroy()
+    # Both processes left the spares they took made anew, clean.
+    for pair in box.standby.pairs:
+        for spare in (pair.memory, pair.disk):
+            assert store.lineage(spare.path) == (store.lineage(spare.path)[0], "clean")
+            assert store.lineage(spare.path)[0] is not None
     assert store.verify() == {}
 
 
