@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from blockdiff.store.lineage import forget_lineage
 from blockdiff.store.retention import Policy
 from blockdiff.store.store import Store
-from blockdiff.vm.standby import NOTHING_WRITTEN, STANDBY_LOCK, Standby
+from blockdiff.vm.standby import NOTHING_WRITTEN, STANDBY_LOCK, Standby, locked
 
 # The store tests' store on a fresh XFS directory, where pytest looks for fixtures.
 store = test_store.store
@@ -298,6 +298,35 @@ def test_spares_moved_beside_a_removal_never_give_wrong_bytes(store, xfs):
         store.restore(keep[0].id, image, written=written)
         assert digest(image) == keep[1]
     assert store.verify() == {}
+
+
+def test_a_standby_brought_stays_locked_until_taken_or_released(store, xfs):
+    """Between a restore's ``bring`` and its ``take`` the spares' thread,
+    which clones the standby under a shared hold, would make the take
+    fail, and the restore do without the standby."""
+    rnd = random.Random(13)
+    (a, _), (b, b_hash) = snapshots(store, xfs, rnd, 2)
+    vm = xfs / "vm"
+    vm.mkdir()
+    standby = Standby(store, vm)
+    standby.prepare(a.id)
+    standby.wait()
+    image = vm / "memory.img"
+    store.restore(a.id, image)
+    assert standby.bring(b.id)
+    with locked(vm / STANDBY_LOCK, wait=False, shared=True) as had:
+        assert not had
+    assert standby.take(image, SIZE)
+    assert digest(image) == b_hash and store.lineage(image) == (b.id, "clean")
+    with locked(vm / STANDBY_LOCK, wait=False) as had:
+        assert had
+    # Brought, then not taken (the restore failed in between): let go.
+    standby.prepare(a.id)
+    standby.wait()
+    assert standby.bring(b.id)
+    standby.release()
+    with locked(vm / STANDBY_LOCK, wait=False) as had:
+        assert had
 
 
 def test_a_standby_that_cannot_be_trusted_is_not_taken(store, xfs):

@@ -449,6 +449,8 @@ def test_a_restore_failing_while_qemu_starts_leaves_no_qemu(store, box, monkeypa
     pid, digest = running_step(box)
     checkpoint = box.checkpoint("good")
     run(box, "echo later > /later")
+    box.standby.wait()
+    box.standby.path.unlink()       # so that the memory image is restored in place
     real_restore, started = store.restore, []
 
     def failing(snapshot_id, image, **kw):

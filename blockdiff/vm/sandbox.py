@@ -586,9 +586,12 @@ class Sandbox:
             if memory_snap is not None:
                 written = None
                 self.standby.last_bring = {}
-                with ThreadPoolExecutor(2) as pool:
-                    # The standby brought to the checkpoint while QEMU stops.
+                with ThreadPoolExecutor(2) as pool, contextlib.ExitStack() as finally_:
+                    # The standby brought to the checkpoint while QEMU stops
+                    # (and left locked until taken).
                     ahead = pool.submit(self.standby.bring, memory_snap.id)
+                    finally_.callback(self.standby.release)
+                    finally_.callback(ahead.exception)   # run first: bring done
                     if self.machine.running:
                         # What the guest wrote since the last checkpoint, from the
                         # dirty bitmap, so that the disk's restore need not map it.

@@ -185,6 +185,7 @@ class Standby:
         self.spares_failure: Exception | None = None
         # Seconds per phase of the last ``bring``.
         self.last_bring: dict[str, float] = {}
+        self._held: int | None = None   # the lock's descriptor ``bring`` left held
 
     def prepare(self, memory_snapshot_id: str, disk_snapshot_id: str | None = None, *,
                 then=None) -> None:
@@ -276,16 +277,20 @@ class Standby:
         VM's QEMU is stopped, before ``take``: the standby is no file of
         that QEMU's); False if not, if another process holds it, or if the
         move failed (``failure`` says why; its lineage then says
-        "restoring", and nothing takes it)."""
+        "restoring", and nothing takes it). Brought, it stays locked for
+        ``take`` (or ``release``): the spares' thread would clone it in
+        between, and the restore then do without."""
         began = time.monotonic()
         self.wait_standby()
         waited = time.monotonic()
         # The spares' thread may be cloning it (a shared hold, tens of ms).
-        with locked(self._lock_path, wait=BRING_WAIT) as had:
-            locked_at = time.monotonic()
-            self.last_bring = {"standby-wait": waited - began, "standby-lock": locked_at - waited}
-            size = self.store.get(memory_snapshot_id).size
-            if not had or not clean(self.store, self.path, size):
+        fd = acquire(self._lock_path, wait=BRING_WAIT)
+        locked_at = time.monotonic()
+        self.last_bring = {"standby-wait": waited - began, "standby-lock": locked_at - waited}
+        if fd is None:
+            return False
+        try:
+            if not clean(self.store, self.path, self.store.get(memory_snapshot_id).size):
                 return False
             # Not warmed here: the resume warms it beside QEMU's loading.
             try:
@@ -294,7 +299,17 @@ class Standby:
                 self.failure = e
                 return False
             self.last_bring["standby-move"] = time.monotonic() - locked_at
+            self._held, fd = fd, None
             return True
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def release(self) -> None:
+        """The standby's lock let go, if ``bring`` left it held."""
+        fd, self._held = self._held, None
+        if fd is not None:
+            os.close(fd)
 
     def take(self, image: Path, size: int) -> bool:
         """Swap the standby with ``image`` (a memory image no QEMU runs on) if
@@ -303,8 +318,13 @@ class Standby:
         take. The old image is the next standby, once prepared: its page
         cache is mostly what the next one needs."""
         self.wait_standby()
-        with locked(self._lock_path, wait=False) as had:
-            if not had or not clean(self.store, self.path, size):
+        fd, self._held = self._held, None
+        if fd is None:
+            fd = acquire(self._lock_path, wait=False)
+        if fd is None:
+            return False
+        try:
+            if not clean(self.store, self.path, size):
                 return False
             if not os.path.lexists(image):
                 os.rename(self.path, image)
@@ -315,6 +335,8 @@ class Standby:
             os.rename(image, self.path)
             os.rename(self._swapping, image)
             return True
+        finally:
+            os.close(fd)
 
     def copy_to(self, image: Path, size: int, target: str) -> bool:
         """Make ``image``, a new memory image of ``size`` bytes that no guest
@@ -487,9 +509,21 @@ def build(store: Store, building: Path, final: Path, size: int, mode: int, fill)
 
 @contextlib.contextmanager
 def locked(path: Path, *, wait: bool | float, shared: bool = False):
-    """The lock file ``path`` held (yields whether it was had: without
-    ``wait``, not while another holds it against this; with ``wait`` a
-    number, not if another still holds it after that many seconds)."""
+    """The lock file ``path`` held (yields whether it was had: see
+    ``acquire``)."""
+    fd = acquire(path, wait=wait, shared=shared)
+    try:
+        yield fd is not None
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def acquire(path: Path, *, wait: bool | float, shared: bool = False) -> int | None:
+    """The lock file ``path`` held: its descriptor, which closing lets go;
+    None if it was not had (without ``wait``, while another holds it
+    against this; with ``wait`` a number, if another still holds it after
+    that many seconds)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
     deadline = time.monotonic() + (wait if wait is not True else 0)
@@ -497,12 +531,12 @@ def locked(path: Path, *, wait: bool | float, shared: bool = False):
         while True:
             try:
                 fcntl.flock(fd, mode | (0 if wait is True else fcntl.LOCK_NB))
-                break
+                return fd
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    yield False
-                    return
+                    os.close(fd)
+                    return None
                 time.sleep(0.002)
-        yield True
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
