@@ -17,13 +17,16 @@ write guest RAM before they have one: see ``Machine.start_waiting``.)
   QEMU is stopped, then swaps it with the dead VM's memory image
   (``take``). The dead image, its lineage removed, is the next standby:
   its page cache is mostly what that needs.
-- A fork takes the spares: a memory image and a disk kept clean beside
-  them, each at a snapshot (``Spare.give``: a rename), and brings each to
-  its checkpoint. Anything else costs the fork per extent: a whole-file
-  clone about 19 µs (120-220 ms profiled for the memory image after 20
-  benchmark steps: many small steps leave thousands of extents), filling
-  an empty image 30-60 µs a piece. Where the memory spare is gone, the fork
-  copies the standby (``copy_to``), or fills its image from the layers.
+- A fork takes a pair of spares: a memory image and a disk kept clean
+  beside them, each at a snapshot (``Spare.give``: a rename), and brings
+  each to its checkpoint. Anything else costs the fork per extent: a
+  whole-file clone about 19 µs (120-220 ms profiled for the memory image
+  after 20 benchmark steps: many small steps leave thousands of extents),
+  filling an empty image 30-60 µs a piece. There are two pairs
+  (``SparePair``): forks often come in a row, and a pair takes several
+  hundred milliseconds to make anew. Where no memory spare is there, the
+  fork copies the standby (``copy_to``), or fills its image from the
+  layers.
 - They are prepared in a thread of their own while the guest runs
   (``prepare``): the standby moved to each new memory checkpoint; after a
   restore, the old image restored in place (written back and mapped, off
@@ -31,11 +34,12 @@ write guest RAM before they have one: see ``Machine.start_waiting``.)
   cache is then warmed in 4 KiB folios (see
   ``blockdiff.vm.machine.warm_page_cache``), so that a guest resumed on it
   neither faults it in nor dirties it in large folios. Then, in a thread of
-  their own at the lowest priority, which restores do not wait for, the
+  their own at the lowest priority, which restores do not wait for, each
   memory spare is moved to the same snapshot (made a clone of the standby
-  where there is none) and warmed the same way, and the disk spare to the
-  checkpoint's disk (filled from the layers where there is none). After a
-  fork took them, they are made anew at once (``prepare_spares``).
+  where there is none), and each disk spare to the checkpoint's disk
+  (filled from the layers where there is none); the memory spares are
+  warmed the same way last, once a fork's QEMU waits on them. After a fork
+  took a pair, that pair is made anew at once (``prepare_spares``).
 
 Whoever prepares, takes or swaps the standby holds its lock exclusively;
 whoever copies it, the memory spare's clone included, shares it. Each spare
@@ -89,11 +93,10 @@ class Spare:
     take by rename (``give``); ``move`` brings it to another snapshot. Its
     lock is ``NAME.lock`` beside it; new ones are built as ``.NAME.new``."""
 
-    def __init__(self, store: Store, path: Path, mode: int, *, warm: bool = False):
+    def __init__(self, store: Store, path: Path, mode: int):
         self.store = store
         self.path = path
         self.mode = mode
-        self.warm = warm
         self.lock_path = path.with_name(f"{path.name}.lock")
         self._building = path.with_name(f".{path.name}.new")
 
@@ -133,8 +136,6 @@ class Spare:
                 self._build(snapshot_id, size, clone_of)
             if self.store.lineage(self.path)[0] != snapshot_id:
                 self.store.restore(snapshot_id, self.path, written=NOTHING_WRITTEN)
-            if self.warm:
-                warm_whole(self.path)
 
     def _build(self, snapshot_id: str, size: int, clone_of: Path | None) -> None:
         """A new spare, renamed into place once whole: a clone of
@@ -153,8 +154,7 @@ class SparePair:
     def __init__(self, store: Store, directory: Path, number: int):
         suffix = f"-{number + 1}" if number else ""
         self.number = number
-        self.memory = Spare(store, directory / f"{MEMORY_SPARE}{suffix}", 0o600,   # guest RAM
-                            warm=True)
+        self.memory = Spare(store, directory / f"{MEMORY_SPARE}{suffix}", 0o600)   # guest RAM
         self.disk = Spare(store, directory / f"{DISK_SPARE}{suffix}", 0o666)   # a fork's disk
 
 
@@ -425,6 +425,15 @@ class Standby:
                         self.spares_ready()
                     except Exception as e:   # noqa: BLE001 - see spares_failure
                         self.spares_failure = e
+                with contextlib.suppress(OSError):
+                    os.setpriority(os.PRIO_PROCESS, me, 19 if idle else usual)
+            # Warmed last, once a fork's QEMU waits on them: a pair made anew
+            # after a fork spent 0.2-0.4 s warming its memory spare before
+            # that QEMU started, and a fork that takes a spare not warmed
+            # warms what its guest writes first itself (see Sandbox._resume).
+            for pair in self.pairs:
+                with contextlib.suppress(OSError):
+                    warm_whole(pair.memory.path)
 
     def _prepare_spares(self, memory_snapshot_id: str | None,
                         disk_snapshot_id: str | None, missing_only: bool) -> None:
