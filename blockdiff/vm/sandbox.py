@@ -845,33 +845,10 @@ class Sandbox:
                                memory_mb=memory_mb, cpus=cpus, memory=memory,
                                progress=progress, _disk_later=memory_snap is not None)
         if memory_snap is not None:
+            yielding = _standby.yielding() if _standby is not None else contextlib.nullcontext()
             try:
-                other._check_machine(snap, memory_snap, other.machine)
-                given = (False, False)
-                if _standby is not None:
-                    # A pair a QEMU waits on first: one just made anew may
-                    # have none yet.
-                    given = _standby.give_spares(
-                        other.machine.memory_image, memory_snap.size, other.disk, snap.size,
-                        first=other.machine.forks_waiting(_standby.path.parent))
-                other.memory_source = other._new_memory_image(memory_snap, _standby, given[0])
-                if given[1]:
-                    other.disk_source = "spare"
-                if (other.memory_source == other.disk_source == "spare"
-                        and other.machine.hand_over_waiting(_standby.path.parent)
-                        and not start):
-                    # The QEMU waiting on both is the launch's to take over:
-                    # none for a fork left stopped.
-                    other.machine.kill_waiting()
-                with other._lock(), ThreadPoolExecutor(1) as pool:
-                    # A disk spare brought to the checkpoint at once, beside
-                    # the memory image's move and QEMU's start: the guest
-                    # uses its disk only once resumed.
-                    disk_ahead = (pool.submit(other._restore_disk, snap, NOTHING_WRITTEN)
-                                  if start and other.disk_source else None)
-                    other._resume(snap, memory_snap, timeout, start=start, fresh=True,
-                                  progress=progress, disk_ahead=disk_ahead,
-                                  written=NOTHING_WRITTEN if other.disk_source else None)
+                with yielding:
+                    other._resume_fork(snap, memory_snap, _standby, start, timeout, progress)
             except BaseException:
                 other.destroy()
                 raise
@@ -886,6 +863,38 @@ class Sandbox:
         elif start:
             other.start(timeout=timeout, progress=progress)
         return other
+
+    def _resume_fork(self, snap: Snapshot, memory_snap: Snapshot, standby: Standby | None,
+                     start: bool, timeout: float, progress: Progress) -> None:
+        """This new VM's images made from ``standby``'s spares (or a copy of
+        its standby, or empty) and resumed from checkpoint ``snap`` with
+        memory ``memory_snap`` (see ``from_checkpoint``)."""
+        self._check_machine(snap, memory_snap, self.machine)
+        given = (False, False)
+        if standby is not None:
+            # A pair a QEMU waits on first: one just made anew may have
+            # none yet.
+            given = standby.give_spares(
+                self.machine.memory_image, memory_snap.size, self.disk, snap.size,
+                first=self.machine.forks_waiting(standby.path.parent))
+        self.memory_source = self._new_memory_image(memory_snap, standby, given[0])
+        if given[1]:
+            self.disk_source = "spare"
+        if (self.memory_source == self.disk_source == "spare"
+                and self.machine.hand_over_waiting(standby.path.parent)
+                and not start):
+            # The QEMU waiting on both is the launch's to take over: none
+            # for a fork left stopped.
+            self.machine.kill_waiting()
+        with self._lock(), ThreadPoolExecutor(1) as pool:
+            # A disk spare brought to the checkpoint at once, beside the
+            # memory image's move and QEMU's start: the guest uses its disk
+            # only once resumed.
+            disk_ahead = (pool.submit(self._restore_disk, snap, NOTHING_WRITTEN)
+                          if start and self.disk_source else None)
+            self._resume(snap, memory_snap, timeout, start=start, fresh=True,
+                         progress=progress, disk_ahead=disk_ahead,
+                         written=NOTHING_WRITTEN if self.disk_source else None)
 
     def _new_memory_image(self, memory_snap: Snapshot, standby: Standby | None,
                           spare: bool) -> str:

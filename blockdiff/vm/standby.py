@@ -177,6 +177,7 @@ class Standby:
         self._thread: threading.Thread | None = None          # the standby's
         self._spares_thread: threading.Thread | None = None   # the spares'
         self._spares_wanted: tuple | None = None   # what it is to do next
+        self._spares_tid: int | None = None         # its thread id, once it runs
         self._chaining = threading.Lock()          # guards both
         # Why the last preparation of the standby (or a copy of it), or of the
         # spares, failed (None if it did not): a thread must not print, and
@@ -402,9 +403,31 @@ class Standby:
             # nothing takes it, and the next preparation compares it whole.
             self.failure = e
 
+    @contextlib.contextmanager
+    def yielding(self):
+        """This process's spares' thread, if it runs, at the lowest priority
+        meanwhile (a fork's critical path: the pair the last fork took is
+        being made anew, 0.2-0.3 s of CPU beside it), then as it was. Only
+        where that priority can be had back (CAP_SYS_NICE)."""
+        with self._chaining:
+            tid = self._spares_tid if self._spares_thread is not None else None
+        before = None
+        if tid is not None:
+            with contextlib.suppress(OSError):
+                before = os.getpriority(os.PRIO_PROCESS, tid)
+                os.setpriority(os.PRIO_PROCESS, tid, 19)
+                os.setpriority(os.PRIO_PROCESS, tid, before)   # can it be had back?
+                os.setpriority(os.PRIO_PROCESS, tid, 19)
+        try:
+            yield
+        finally:
+            if before is not None:
+                with contextlib.suppress(OSError):
+                    os.setpriority(os.PRIO_PROCESS, tid, before)
+
     def _prepare_spares_wanted(self) -> None:
         """The spares' thread: what was asked for last, until nothing is."""
-        me = threading.get_native_id()
+        me = self._spares_tid = threading.get_native_id()
         usual = os.getpriority(os.PRIO_PROCESS, me)   # as the process runs
         while True:
             with self._chaining:
