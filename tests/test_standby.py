@@ -12,8 +12,10 @@ import random
 import stat
 import tempfile
 import threading
+import time
 from pathlib import Path
 
+import pytest
 import test_store
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -21,7 +23,7 @@ from hypothesis import strategies as st
 from blockdiff.store.lineage import forget_lineage
 from blockdiff.store.retention import Policy
 from blockdiff.store.store import Store
-from blockdiff.vm.standby import NOTHING_WRITTEN, STANDBY_LOCK, Standby, locked
+from blockdiff.vm.standby import NOTHING_WRITTEN, STANDBY_LOCK, Standby, locked, may_raise_priority
 
 # The store tests' store on a fresh XFS directory, where pytest looks for fixtures.
 store = test_store.store
@@ -327,6 +329,30 @@ def test_a_standby_brought_stays_locked_until_taken_or_released(store, xfs):
     standby.release()
     with locked(vm / STANDBY_LOCK, wait=False) as had:
         assert had
+
+
+def test_a_fork_puts_the_spares_thread_at_the_lowest_priority_meanwhile(store, xfs):
+    if not may_raise_priority():
+        pytest.skip("needs CAP_SYS_NICE to give the thread its priority back")
+    standby, taken = prepared_at_first(store, xfs, random.Random(14), 2)
+    later = taken[1][0].id
+    lock = os.open(standby.pairs[0].memory.lock_path, os.O_RDWR)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)       # the thread waits for it, alive
+        standby.prepare_spares(later, later)
+        time.sleep(0.3)
+        (thread,) = [t for t in threading.enumerate() if t.name == "spares vm"]
+        before = os.getpriority(os.PRIO_PROCESS, thread.native_id)
+        with standby.yielding():
+            assert os.getpriority(os.PRIO_PROCESS, thread.native_id) == 19
+        assert os.getpriority(os.PRIO_PROCESS, thread.native_id) == before
+    finally:
+        os.close(lock)
+    standby.wait()
+    assert standby.spares_failure is None
+    assert all(store.lineage(spare.path) == (later, "clean") for spare in spares(standby))
+    with standby.yielding():               # no thread: nothing to do
+        pass
 
 
 def test_a_standby_that_cannot_be_trusted_is_not_taken(store, xfs):

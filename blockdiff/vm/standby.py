@@ -84,6 +84,7 @@ SPARE_PAIRS = 2
 # How long a restore waits for another's hold on the standby before it does
 # without: a clone of it for the memory spare takes tens of milliseconds.
 BRING_WAIT = 0.25
+CAP_SYS_NICE = 23   # its bit in /proc/PID/status's capability sets
 # Nothing written since its snapshot: the in-place restore compares maps only.
 NOTHING_WRITTEN = (np.zeros(0, np.uint64), np.zeros(0, np.uint64))
 
@@ -412,11 +413,9 @@ class Standby:
         with self._chaining:
             tid = self._spares_tid if self._spares_thread is not None else None
         before = None
-        if tid is not None:
+        if tid is not None and may_raise_priority():
             with contextlib.suppress(OSError):
                 before = os.getpriority(os.PRIO_PROCESS, tid)
-                os.setpriority(os.PRIO_PROCESS, tid, 19)
-                os.setpriority(os.PRIO_PROCESS, tid, before)   # can it be had back?
                 os.setpriority(os.PRIO_PROCESS, tid, 19)
         try:
             yield
@@ -483,6 +482,19 @@ class Standby:
             target = memory_snapshot_id or (known if state == "clean" else None)
             if target is not None:
                 spare.move(target, clone_of=self.path)
+
+
+def may_raise_priority() -> bool:
+    """Whether this process may give a thread a higher priority than it has
+    (CAP_SYS_NICE): without it, a thread put at nice 19 stays there."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_SYS_NICE & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 
 
 def warm_whole(path: Path) -> None:
