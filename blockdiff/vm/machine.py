@@ -839,6 +839,11 @@ class Machine:
         into ``fd``, once QEMU is done; the descriptor is closed."""
         try:
             wait_for_migration(q, 60.0, "saving the device state")
+            # QEMU says "completed" a moment before it leaves the
+            # finish-migrate state, in which it refuses ``cont`` ("Migration
+            # is not finalized yet"): seen on a busy host, the migration
+            # thread waiting for the main loop's lock in between.
+            wait_while_run_state(q, "finish-migrate", 10.0, "saving the device state")
             # QEMU wrote through a duplicate of this descriptor: one offset.
             length = os.lseek(fd, 0, os.SEEK_CUR)
             if length > DEVICE_STATE_AREA:
@@ -959,6 +964,16 @@ def wait_for_migration(q: QMP, timeout: float, what: str) -> None:
             return
         if status in ("failed", "cancelled"):
             raise VMError(f"QEMU failed {what}: {info.get('error-desc', status)}")
+        if time.monotonic() > deadline:
+            raise VMError(f"QEMU did not finish {what} within {timeout:.0f} s")
+        time.sleep(0.0003)
+
+
+def wait_while_run_state(q: QMP, state: str, timeout: float, what: str) -> None:
+    """Until QEMU's run state (``query-status``) is no longer ``state``;
+    VMError if it still is after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while q.command("query-status").get("status") == state:
         if time.monotonic() > deadline:
             raise VMError(f"QEMU did not finish {what} within {timeout:.0f} s")
         time.sleep(0.0003)
