@@ -9,6 +9,8 @@ import json
 import os
 import sqlite3
 import stat
+import subprocess
+import sys
 import threading
 import time
 
@@ -222,6 +224,59 @@ def test_writers_queue_on_the_lock(tmp_path):
     assert db.execute("SELECT COUNT(*) FROM t").fetchone() == (3,)
     db.close()
     other.close()
+
+
+def test_another_threads_statement_stays_out_of_a_transaction(tmp_path):
+    """The threads share one connection: a plain statement of one waits for
+    another's transaction, instead of running (and being rolled back) in it."""
+    db = connect(tmp_path / "a.sqlite")
+    with db.transaction():
+        db.execute("CREATE TABLE t (x)")
+    outside = threading.Thread(target=db.execute, args=("INSERT INTO t VALUES ('outside')",))
+    with pytest.raises(KeyError), db.transaction():
+        db.execute("INSERT INTO t VALUES ('inside')")
+        outside.start()
+        outside.join(0.3)
+        assert outside.is_alive()          # waits for the transaction
+        raise KeyError("roll back")
+    outside.join()
+    assert db.execute("SELECT x FROM t").fetchall() == [("outside",)]
+    db.close()
+
+
+_CLOSE_WHILE_BUSY = """
+import sqlite3, sys, threading
+from blockdiff.db import connect
+
+db = connect(sys.argv[1])
+db.execute("CREATE TABLE t (x)")
+db.executemany("INSERT INTO t VALUES (?)", [(i,) for i in range(2000)])
+refused = threading.Event()
+
+def busy():
+    while True:
+        try:
+            db.execute("SELECT COUNT(*) FROM t a, t b WHERE a.x < b.x").fetchone()
+        except sqlite3.ProgrammingError:
+            refused.set()
+            return
+
+thread = threading.Thread(target=busy)
+thread.start()
+db.close()
+thread.join(60)
+print("refused" if refused.is_set() else "still running")
+"""
+
+
+def test_closing_while_another_thread_runs_a_statement(tmp_path):
+    """Closing waits for the statement another thread runs, whose next one
+    is refused; Python's sqlite3 crashed the process (SIGSEGV) when the
+    connection closed under a statement being stepped. In a child process,
+    so that a crash is a failure here, not the end of the test run."""
+    done = subprocess.run([sys.executable, "-c", _CLOSE_WHILE_BUSY, str(tmp_path / "a.sqlite")],
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout.strip()) == (0, "refused"), done.stderr
 
 
 def test_reading_sees_one_state(tmp_path):

@@ -408,12 +408,18 @@ def _kill_vms(store_dir: Path, opened_by_examples: bool = False) -> None:
     from blockdiff.store.store import Store
     from blockdiff.vm.sandbox import Sandbox
 
+    if opened_by_examples:
+        # Their background threads use their stores, closed below, and may
+        # start QEMUs, killed below.
+        gc.collect()
+        for obj in gc.get_objects():
+            if isinstance(obj, Sandbox) and Path(obj.store.root) == store_dir:
+                obj.standby.wait()
     if (store_dir / "vms").is_dir():
         with Store(store_dir) as store:
             for box in Sandbox.list(store):
                 box._kill()
     if opened_by_examples:
-        gc.collect()
         for obj in gc.get_objects():
             if isinstance(obj, Store) and Path(obj.root) == store_dir:
                 with contextlib.suppress(Exception):

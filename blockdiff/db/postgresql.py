@@ -51,6 +51,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
+from blockdiff.db.protocol import ReadRows
 from blockdiff.errors import ConstraintFailed, DatabaseError, UsageError
 
 try:
@@ -278,13 +279,13 @@ class PostgreSQLDatabase:
 
     # ------------------------------------------------------------ statements
 
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> PostgreSQLRows:
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> ReadRows:
         """Run one statement; see :meth:`Database.execute`."""
         params = _adapted(params)
         with self.lock:
             cursor = self._run(lambda c: c.execute(to_psycopg(sql), params),
                                retry=_is_read(sql))
-            return PostgreSQLRows(cursor.fetchall() if cursor.description is not None else [])
+            return ReadRows(cursor.fetchall() if cursor.description is not None else [])
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
         """Run one statement for each row of parameters (pipelined)."""
@@ -456,32 +457,6 @@ class PostgreSQLDatabase:
             self._closed = True
             if self._connection is not None:
                 self._connection.close()
-
-
-class PostgreSQLRows:
-    """The rows of one statement, read already (psycopg's client-side cursor
-    holds them all anyway): BYTEA as ``bytes``."""
-
-    __slots__ = ("_rows", "_next")
-
-    def __init__(self, rows: list[tuple]):
-        self._rows = rows
-        self._next = 0
-
-    def fetchone(self) -> tuple | None:
-        """The next row, or None."""
-        if self._next >= len(self._rows):
-            return None
-        self._next += 1
-        return self._rows[self._next - 1]
-
-    def fetchall(self) -> list[tuple]:
-        """The rows not read yet."""
-        rows, self._next = self._rows[self._next:], len(self._rows)
-        return rows
-
-    def __iter__(self):
-        return iter(self.fetchall())
 
 
 def _adapted(params: Sequence[Any]) -> tuple:

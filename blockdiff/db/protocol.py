@@ -23,6 +23,32 @@ class Rows(Protocol):
         """The rows not read yet."""
 
 
+class ReadRows:
+    """:class:`Rows` read in full while the statement ran, under the
+    database's lock: nothing is left to read from the connection after."""
+
+    __slots__ = ("_rows", "_next")
+
+    def __init__(self, rows: list[tuple]):
+        self._rows = rows
+        self._next = 0
+
+    def fetchone(self) -> tuple | None:
+        """The next row, or None."""
+        if self._next >= len(self._rows):
+            return None
+        self._next += 1
+        return self._rows[self._next - 1]
+
+    def fetchall(self) -> list[tuple]:
+        """The rows not read yet."""
+        rows, self._next = self._rows[self._next:], len(self._rows)
+        return rows
+
+    def __iter__(self) -> Iterator[tuple]:
+        return iter(self.fetchall())
+
+
 class Database(Protocol):
     """One connection to a database, shared by the threads of a process."""
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from blockdiff.db.protocol import damaged
+from blockdiff.db.protocol import ReadRows, damaged
 from blockdiff.errors import ConstraintFailed, DatabaseError
 
 # Seconds a statement waits for another connection to release its lock.
@@ -125,20 +125,26 @@ class SQLiteDatabase:
         self.name = name
         self.lock = threading.RLock()
 
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> SQLiteRows:
-        """Run one statement; see :meth:`Database.execute`."""
-        with self._translating:
-            return SQLiteRows(self._connection.execute(sql, params), self._translating)
+    # Every use of the connection holds the lock: a statement of another
+    # thread would otherwise run inside a transaction open on the shared
+    # connection, and Python's sqlite3 crashes the process when the
+    # connection is closed while another thread steps a statement on it.
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> ReadRows:
+        """Run one statement; see :meth:`Database.execute`. Its rows are
+        read at once, as PostgreSQL's are."""
+        with self.lock, self._translating:
+            return ReadRows(self._connection.execute(sql, params).fetchall())
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
         """Run one statement for each row of parameters."""
-        with self._translating:
+        with self.lock, self._translating:
             self._connection.executemany(sql, rows)
 
     def insert(self, sql: str, params: Sequence[Any], key: str) -> int:
         """Run one INSERT; the new row's ``key``, the table's INTEGER PRIMARY
         KEY, which is SQLite's rowid."""
-        with self._translating:
+        with self.lock, self._translating:
             return self._connection.execute(sql, params).lastrowid
 
     @contextlib.contextmanager
@@ -170,34 +176,10 @@ class SQLiteDatabase:
         return problems
 
     def close(self) -> None:
-        """Close the connection, once no thread is in a transaction."""
+        """Close the connection, once no other thread uses it; a statement
+        after is refused (sqlite3.ProgrammingError)."""
         with self.lock:
             self._connection.close()
-
-
-class SQLiteRows:
-    """The rows of one statement, read with SQLite's errors turned into blockdiff's."""
-
-    __slots__ = ("_cursor", "_translating")
-
-    def __init__(self, cursor: sqlite3.Cursor, translating: _Translating):
-        self._cursor = cursor
-        self._translating = translating
-
-    def fetchone(self) -> tuple | None:
-        """The next row, or None."""
-        with self._translating:
-            return self._cursor.fetchone()
-
-    def fetchall(self) -> list[tuple]:
-        """The rows not read yet."""
-        with self._translating:
-            return self._cursor.fetchall()
-
-    def __iter__(self):
-        # Read at once, so that a failure on a later row is translated too;
-        # every caller reads all the rows anyway.
-        return iter(self.fetchall())
 
 
 class _Translating:
