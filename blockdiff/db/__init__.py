@@ -25,9 +25,11 @@ options and ignores the other's (:func:`open_database` says which).
   table. :func:`public_url` is a URL without its password, for display.
 
 One connection per process is shared by its threads: ``db.lock``
-(reentrant) is held by every transaction; a caller whose reads outside one
-must not interleave with another thread's takes it too (PostgreSQL's takes
-it for every statement).
+(reentrant) is held by every transaction and every statement, whose rows
+are read before it is let go, so another thread's statement waits for a
+transaction to end rather than run inside it, and closing waits for both;
+a caller whose several reads outside a transaction must not interleave
+with another thread's takes it too.
 
 The protocol (:mod:`blockdiff.db.protocol`), which both implementations are,
 serving the same callers:
