@@ -245,17 +245,18 @@ def test_another_threads_statement_stays_out_of_a_transaction(tmp_path):
 
 
 _CLOSE_WHILE_BUSY = """
-import sqlite3, sys, threading
+import sqlite3, sys, threading, time
 from blockdiff.db import connect
 
 db = connect(sys.argv[1])
 db.execute("CREATE TABLE t (x)")
 db.executemany("INSERT INTO t VALUES (?)", [(i,) for i in range(2000)])
-refused = threading.Event()
+refused, running = threading.Event(), threading.Event()
 
 def busy():
     while True:
         try:
+            running.set()
             db.execute("SELECT COUNT(*) FROM t a, t b WHERE a.x < b.x").fetchone()
         except sqlite3.ProgrammingError:
             refused.set()
@@ -263,6 +264,8 @@ def busy():
 
 thread = threading.Thread(target=busy)
 thread.start()
+running.wait()
+time.sleep(0.01)        # into the statement (about 0.1 s each)
 db.close()
 thread.join(60)
 print("refused" if refused.is_set() else "still running")
