@@ -45,6 +45,9 @@ def test_end_to_end_tiny_run(tmp_path, capsys, scratch_xfs_possible):
     assert memory["borrowed"]["p50"] > 0
     assert memory["compared"]["p50"] >= memory["stored"]["p50"] + memory["borrowed"]["p50"]
     assert len(memory["fork_phases"]) == vm_bench.MEMORY_FORKS
+    # What QEMU and the host ran while each fork's guest answered.
+    assert len(vm_bench.guest_cpu(memory["fork_phases"], 1)) == vm_bench.MEMORY_FORKS
+    assert "Forks' guests answered their resume in" in printed
     # Each restore waits for its own process's standby: every one takes it.
     assert memory["restore_standby"] == [True] * 5
     # ... and the QEMU started ahead on it, beside its preparation.

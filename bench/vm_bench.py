@@ -523,7 +523,23 @@ def memory_table(r: dict) -> str:
            f"ahead; {m['fork_latest_source'].count('spare')} of "
            f"{len(m['fork_latest_source'])} forks of the checkpoint just taken took the "
            f"spares, {sum(m['fork_latest_prestarted'])} a QEMU started ahead."]
+    answering = guest_cpu(m["fork_phases"], r["machine"]["cpus"])
+    if answering:
+        out.append(f"Forks' guests answered their resume in "
+                   f"{', '.join(ms(seconds) for seconds, _, _ in answering)}; meanwhile their "
+                   f"QEMU ran {', '.join(f'{share:.0%}' for _, share, _ in answering)} of a core "
+                   f"and the host's cores were "
+                   f"{', '.join(f'{busy:.0%}' for _, _, busy in answering)} busy.")
     return "\n".join(out)
+
+
+def guest_cpu(phases: list[dict], cpus: int) -> list[tuple[float, float, float]]:
+    """For each launch whose phases say what ran while its guest answered:
+    seconds it took, the share of a core its QEMU ran, and the share of
+    the host's cores that were busy; by seconds."""
+    return sorted((p["guest"], p["guest-qemu-cpu"] / p["guest"],
+                   p["guest-host-cpu"] / (p["guest"] * cpus))
+                  for p in phases if "guest-qemu-cpu" in p and p["guest"] > 0)
 
 
 def main(argv=None) -> int:

@@ -236,6 +236,10 @@ def test_forks_take_over_the_qemu_waiting_on_the_spares(store, box):
     try:
         assert fork.memory_source == fork.disk_source == "spare" and fork.machine.took_waiting
         assert fork.pid in ready and fork.machine.memory_backed
+        # What QEMU and the whole host ran while the guest answered (ticks
+        # of 10 ms: the host's count may lag QEMU's by one).
+        launch = fork.machine.last_launch
+        assert 0 <= launch["guest-qemu-cpu"] <= launch["guest-host-cpu"] + 0.011
         assert alive(fork, pid) and payload_hash(fork) == digest
         # The next fork, at once, takes a pair and the QEMU waiting on it:
         # the other pair, or the one the first took, if already made anew.

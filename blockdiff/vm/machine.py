@@ -553,7 +553,9 @@ class Machine:
                     # once resumed, and the host's restore is not in the bitmap.
                     with contextlib.suppress(OSError):
                         self.tracking.write(Generation(self.pid, bitmap, mark))
+                answering = _cpu_seconds(self.pid)
                 link.resume(timeout=timeout)
+                answered = _cpu_seconds(self.pid)
             if warming is None:
                 # A new file (a fork's): the rest is warmed while the guest
                 # runs, not before, since reading all of it would slow QEMU's
@@ -583,6 +585,11 @@ class Machine:
                              "warm": warmed - tracked, "cont": running - warmed,
                              "disk-wait": placed - running,
                              "guest": time.monotonic() - placed}
+        # Whether a slow answer was the guest's own work or a wait for the
+        # host's cores: what QEMU and the host ran meanwhile.
+        if None not in (answering, answered):
+            self.last_launch |= {"guest-qemu-cpu": answered[0] - answering[0],
+                                 "guest-host-cpu": answered[1] - answering[1]}
 
     def _disk_in_place(self, disk) -> str | None:
         """The disk's lineage mark once ``disk`` (see :meth:`launch`) put it
@@ -1045,6 +1052,20 @@ def fork_waiting(pair: int) -> str:
     """The kind of the QEMU waiting on the VM's pair of spares number
     ``pair`` (see blockdiff.vm.standby), for a fork."""
     return f"{WAITING_FORK}{pair}."
+
+
+def _cpu_seconds(pid: int | None) -> tuple[float, float] | None:
+    """CPU seconds process ``pid`` and the whole host (every core, less idle
+    and I/O wait) have run so far, from /proc; None if unreadable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        with open("/proc/stat") as stat:
+            host = [int(n) for n in stat.readline().split()[1:]]
+    except (OSError, ValueError, TypeError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    return ((int(fields[11]) + int(fields[12])) / tick,   # utime + stime
+            (sum(host) - host[3] - host[4]) / tick)       # less idle, iowait
 
 
 def _cmdline(pid: int) -> list[str]:
