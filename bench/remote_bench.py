@@ -46,7 +46,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
+# This checkout's blockdiff first, not whichever one pip installed last.
+sys.path[:0] = [str(HERE.parent), str(HERE.parent / "tests")]
 
 try:
     import boto3

@@ -26,7 +26,8 @@ import time
 from collections.abc import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+# This checkout's blockdiff first, not whichever one pip installed last.
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 try:
     import workloads  # first: says how to install blockdiff if it is missing

@@ -53,8 +53,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
+# This checkout's blockdiff first, not whichever one pip installed last.
+sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent / "tests")]
 
 try:
     from boto3.s3.transfer import TransferConfig

@@ -43,7 +43,8 @@ from pathlib import Path
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+# This checkout's blockdiff first, not whichever one pip installed last.
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 try:
     import run as suite  # first: says how to install blockdiff if it is missing

@@ -61,7 +61,8 @@ import time
 from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+# This checkout's blockdiff first, not whichever one pip installed last.
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 try:
     from store_bench import human, stats
