@@ -59,6 +59,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # This checkout's blockdiff first, not whichever one pip installed last.
@@ -222,7 +223,9 @@ def run(args) -> dict:
     }
 
 
-MEMORY_FORKS = 5
+# Forks of random earlier steps, at most one a step: their p50 is the fork row,
+# which one or two slow guests move when there are only five.
+MEMORY_FORKS = 10
 LATEST_FORKS = 3    # of the checkpoint just taken, each once its spares are ready
 DIRTY_MIB = 100
 BIG_STEPS = 3
@@ -297,7 +300,8 @@ def run_memory(args, store: Store, base: Path, image, pool_blocks: int, rnd: ran
         assert timing.memory and box.exec(f"kill -0 {pid}").status == 0
         assert box.exec("cat /data/last").stdout == f"{k}\n".encode()
     forks = [fork_to_running(box, ids[k], f"whole-fork{i}", pid)
-             for i, k in enumerate(rnd.sample(range(args.memory_steps), MEMORY_FORKS))]
+             for i, k in enumerate(rnd.sample(range(args.memory_steps),
+                                                   min(MEMORY_FORKS, args.memory_steps)))]
     fork, fork_command, fork_phases, fork_source, fork_prestarted = (
         list(column) for column in zip(*forks))
     # An agent forking where it is now (best-of-N from its current step),
@@ -527,19 +531,27 @@ def memory_table(r: dict) -> str:
     answering = guest_cpu(m["fork_phases"], r["machine"]["cpus"])
     if answering:
         out.append(f"Forks' guests answered their resume in "
-                   f"{', '.join(ms(seconds) for seconds, _, _ in answering)}; meanwhile their "
-                   f"QEMU ran {', '.join(f'{share:.0%}' for _, share, _ in answering)} of a core "
-                   f"and the host's cores were "
-                   f"{', '.join(f'{busy:.0%}' for _, _, busy in answering)} busy.")
+                   f"{', '.join(ms(a.seconds) for a in answering)}; meanwhile their "
+                   f"QEMU ran {', '.join(f'{a.qemu:.0%}' for a in answering)} of a core "
+                   f"and faulted {', '.join(str(a.major_faults) for a in answering)} times "
+                   f"on pages not in the page cache, and the host's cores were "
+                   f"{', '.join(f'{a.host:.0%}' for a in answering)} busy.")
     return "\n".join(out)
 
 
-def guest_cpu(phases: list[dict], cpus: int) -> list[tuple[float, float, float]]:
-    """For each launch whose phases say what ran while its guest answered:
-    seconds it took, the share of a core its QEMU ran, and the share of
-    the host's cores that were busy; by seconds."""
-    return sorted((p["guest"], p["guest-qemu-cpu"] / p["guest"],
-                   p["guest-host-cpu"] / (p["guest"] * cpus))
+class Answer(NamedTuple):
+    seconds: float        # from the resume's request to the guest's answer
+    qemu: float           # share of a core the fork's QEMU ran meanwhile
+    host: float           # share of the host's cores that were busy
+    major_faults: int     # QEMU's page faults that read the disk
+
+
+def guest_cpu(phases: list[dict], cpus: int) -> list[Answer]:
+    """For each launch whose phases say what ran while its guest answered,
+    by seconds: what ran and what was read meanwhile."""
+    return sorted(Answer(p["guest"], p["guest-qemu-cpu"] / p["guest"],
+                         p["guest-host-cpu"] / (p["guest"] * cpus),
+                         p.get("guest-major-faults", 0))
                   for p in phases if "guest-qemu-cpu" in p and p["guest"] > 0)
 
 
@@ -561,8 +573,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 2 or args.pool_mib < 1 or args.pool_mib * 2 > args.disk_mib:
         ap.error("need at least 2 steps and a pool of at most half the disk")
-    if args.memory_steps < MEMORY_FORKS + 1:
-        ap.error(f"need at least {MEMORY_FORKS + 1} memory steps")
+    if args.memory_steps < 6:
+        ap.error("need at least 6 memory steps")
     if os.geteuid() != 0:
         sys.exit("bench/vm_bench.py: needs root (loop mounts)")
     results = run(args)

@@ -9,6 +9,7 @@ import fcntl
 import hashlib
 import os
 import random
+import signal
 import stat
 import tempfile
 import threading
@@ -23,7 +24,16 @@ from hypothesis import strategies as st
 from blockdiff.store.lineage import forget_lineage
 from blockdiff.store.retention import Policy
 from blockdiff.store.store import Store
-from blockdiff.vm.standby import NOTHING_WRITTEN, STANDBY_LOCK, Standby, locked, may_raise_priority
+from blockdiff.vm.spares_worker import HeldAgainstStops
+from blockdiff.vm.standby import (
+    NOTHING_WRITTEN,
+    SPARES_WORKER,
+    STANDBY_LOCK,
+    STOP_WAIT,
+    Standby,
+    locked,
+    may_raise_priority,
+)
 
 # The store tests' store on a fresh XFS directory, where pytest looks for fixtures.
 store = test_store.store
@@ -331,28 +341,145 @@ def test_a_standby_brought_stays_locked_until_taken_or_released(store, xfs):
         assert had
 
 
-def test_a_fork_puts_the_spares_thread_at_the_lowest_priority_meanwhile(store, xfs):
-    if not may_raise_priority():
-        pytest.skip("needs CAP_SYS_NICE to give the thread its priority back")
+def worker_state(pid: int) -> str:
+    """Process ``pid``'s state, once it is not running (a signal takes effect
+    when it next leaves the kernel)."""
+    for _ in range(200):
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        if state != "R":
+            return state
+        time.sleep(0.01)
+    return state
+
+
+def test_a_fork_stops_the_spares_worker_meanwhile(store, xfs):
     standby, taken = prepared_at_first(store, xfs, random.Random(14), 2)
     later = taken[1][0].id
     lock = os.open(standby.pairs[0].memory.lock_path, os.O_RDWR)
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX)       # the thread waits for it, alive
+        fcntl.flock(lock, fcntl.LOCK_EX)       # the worker waits for it, alive
         standby.prepare_spares(later, later)
         time.sleep(0.3)
-        (thread,) = [t for t in threading.enumerate() if t.name == "spares vm"]
-        before = os.getpriority(os.PRIO_PROCESS, thread.native_id)
+        worker = SPARES_WORKER.pid
+        assert worker is not None and worker != os.getpid()
         with standby.yielding():
-            assert os.getpriority(os.PRIO_PROCESS, thread.native_id) == 19
-        assert os.getpriority(os.PRIO_PROCESS, thread.native_id) == before
+            assert worker_state(worker) == "T"
+            with standby.yielding():           # two forks at once
+                pass
+            assert worker_state(worker) == "T"
+        assert worker_state(worker) != "T"
     finally:
         os.close(lock)
     standby.wait()
     assert standby.spares_failure is None
     assert all(store.lineage(spare.path) == (later, "clean") for spare in spares(standby))
-    with standby.yielding():               # no thread: nothing to do
-        pass
+    # Idle, it holds no file of the store's filesystem.
+    held = [os.readlink(f) for f in Path(f"/proc/{worker}/fd").iterdir()]
+    assert not [path for path in held if path.startswith(str(xfs))]
+    assert os.readlink(f"/proc/{worker}/cwd") == "/"
+
+
+def test_the_spares_worker_is_not_stopped_inside_a_catalog_transaction(store, xfs):
+    standby, taken = prepared_at_first(store, xfs, random.Random(17), 2)
+    later = taken[1][0].id
+    lock = os.open(standby.pairs[0].memory.lock_path, os.O_RDWR)
+    stop_lock = None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)       # the worker waits for it, alive
+        standby.prepare_spares(later, later)
+        time.sleep(0.3)
+        worker = SPARES_WORKER.pid
+        # As the worker holds it in a statement or a transaction.
+        stop_lock = os.open(SPARES_WORKER._stop_lock_path, os.O_RDWR)
+        fcntl.flock(stop_lock, fcntl.LOCK_SH)
+        began = time.monotonic()
+        with standby.yielding():
+            assert time.monotonic() - began >= STOP_WAIT
+            assert worker_state(worker) != "T"
+        os.close(stop_lock)
+        stop_lock = None
+        with standby.yielding():
+            assert worker_state(worker) == "T"
+        assert worker_state(worker) != "T"
+    finally:
+        for fd in (lock, stop_lock):
+            if fd is not None:
+                os.close(fd)
+    standby.wait()
+    assert standby.spares_failure is None
+
+
+def test_the_workers_catalog_lock_holds_the_stop_lock_outermost(tmp_path):
+    path = tmp_path / "stop.lock"
+    path.touch()
+    inner = threading.RLock()
+    held = HeldAgainstStops(inner, str(path))
+    probe = os.open(path, os.O_RDWR)
+
+    def free() -> bool:
+        try:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(probe, fcntl.LOCK_UN)
+        return True
+
+    try:
+        assert free()
+        with held:
+            assert not free()
+            with held:                         # a statement in a transaction
+                assert not free()
+            assert not free()
+        assert free()
+        # Another thread waits for the catalog's lock first, as before.
+        with held:
+            entered = threading.Event()
+            thread = threading.Thread(target=lambda: (held.__enter__(), entered.set(),
+                                                      held.__exit__(None, None, None)))
+            thread.start()
+            assert not entered.wait(0.1)
+        thread.join(5)
+        assert entered.is_set() and free()
+    finally:
+        os.close(probe)
+
+
+def test_idle_spares_are_prepared_at_the_lowest_priority(store, xfs):
+    if not may_raise_priority():
+        pytest.skip("needs CAP_SYS_NICE to give the worker its priority back")
+    standby, taken = prepared_at_first(store, xfs, random.Random(16), 3)
+    lock = os.open(standby.pairs[0].memory.lock_path, os.O_RDWR)
+    try:
+        for snapshot, idle in ((taken[1][0].id, True), (taken[2][0].id, False)):
+            fcntl.flock(lock, fcntl.LOCK_EX)   # the worker waits for it, alive
+            standby.prepare_spares(snapshot, snapshot, idle=idle)
+            time.sleep(0.3)
+            nice = os.getpriority(os.PRIO_PROCESS, SPARES_WORKER.pid)
+            assert nice == 19 if idle else nice < 19
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            standby.wait()
+            assert standby.spares_failure is None
+    finally:
+        os.close(lock)
+    # The process's own threads keep their priority.
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19
+
+
+def test_the_spares_worker_reports_a_failure_and_is_started_anew_if_it_dies(store, xfs):
+    standby, taken = prepared_at_first(store, xfs, random.Random(15), 2)
+    later = taken[1][0].id
+    standby.prepare_spares("no-such-snapshot", None)
+    standby.wait()
+    assert "preparing the spares" in str(standby.spares_failure)
+    os.kill(SPARES_WORKER.pid, signal.SIGKILL)
+    standby.prepare_spares(later, later)
+    standby.wait()
+    assert "worker process failed" in str(standby.spares_failure)
+    standby.prepare_spares(later, later)        # a new worker
+    standby.wait()
+    assert standby.spares_failure is None
+    assert all(store.lineage(spare.path) == (later, "clean") for spare in spares(standby))
 
 
 def test_a_standby_that_cannot_be_trusted_is_not_taken(store, xfs):

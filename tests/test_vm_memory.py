@@ -240,6 +240,7 @@ def test_forks_take_over_the_qemu_waiting_on_the_spares(store, box):
         # of 10 ms: the host's count may lag QEMU's by one).
         launch = fork.machine.last_launch
         assert 0 <= launch["guest-qemu-cpu"] <= launch["guest-host-cpu"] + 0.011
+        assert launch["guest-major-faults"] >= 0
         assert alive(fork, pid) and payload_hash(fork) == digest
         # The next fork, at once, takes a pair and the QEMU waiting on it:
         # the other pair, or the one the first took, if already made anew.

@@ -553,9 +553,9 @@ class Machine:
                     # once resumed, and the host's restore is not in the bitmap.
                     with contextlib.suppress(OSError):
                         self.tracking.write(Generation(self.pid, bitmap, mark))
-                answering = _cpu_seconds(self.pid)
+                answering = _usage(self.pid)
                 link.resume(timeout=timeout)
-                answered = _cpu_seconds(self.pid)
+                answered = _usage(self.pid)
             if warming is None:
                 # A new file (a fork's): the rest is warmed while the guest
                 # runs, not before, since reading all of it would slow QEMU's
@@ -585,11 +585,13 @@ class Machine:
                              "warm": warmed - tracked, "cont": running - warmed,
                              "disk-wait": placed - running,
                              "guest": time.monotonic() - placed}
-        # Whether a slow answer was the guest's own work or a wait for the
-        # host's cores: what QEMU and the host ran meanwhile.
+        # Whether a slow answer was the guest's own work, a wait for the
+        # host's cores, or a wait for the disk: what QEMU and the host ran
+        # meanwhile, and how often QEMU's faults on guest RAM read the disk.
         if None not in (answering, answered):
             self.last_launch |= {"guest-qemu-cpu": answered[0] - answering[0],
-                                 "guest-host-cpu": answered[1] - answering[1]}
+                                 "guest-host-cpu": answered[1] - answering[1],
+                                 "guest-major-faults": answered[2] - answering[2]}
 
     def _disk_in_place(self, disk) -> str | None:
         """The disk's lineage mark once ``disk`` (see :meth:`launch`) put it
@@ -1054,9 +1056,10 @@ def fork_waiting(pair: int) -> str:
     return f"{WAITING_FORK}{pair}."
 
 
-def _cpu_seconds(pid: int | None) -> tuple[float, float] | None:
+def _usage(pid: int | None) -> tuple[float, float, int] | None:
     """CPU seconds process ``pid`` and the whole host (every core, less idle
-    and I/O wait) have run so far, from /proc; None if unreadable."""
+    and I/O wait) have run so far, and the major page faults (those that
+    read from the disk) of ``pid``, from /proc; None if unreadable."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
         with open("/proc/stat") as stat:
@@ -1065,7 +1068,8 @@ def _cpu_seconds(pid: int | None) -> tuple[float, float] | None:
         return None
     tick = os.sysconf("SC_CLK_TCK")
     return ((int(fields[11]) + int(fields[12])) / tick,   # utime + stime
-            (sum(host) - host[3] - host[4]) / tick)       # less idle, iowait
+            (sum(host) - host[3] - host[4]) / tick,       # less idle, iowait
+            int(fields[9]))                               # majflt
 
 
 def _cmdline(pid: int) -> list[str]:

@@ -33,20 +33,23 @@ write guest RAM before they have one: see ``Machine.start_waiting``.)
   the restore's path); built from the layers where there is none. Its page
   cache is then warmed in 4 KiB folios (see
   ``blockdiff.vm.machine.warm_page_cache``), so that a guest resumed on it
-  neither faults it in nor dirties it in large folios. Then, in a thread of
-  their own at the lowest priority, which restores do not wait for, each
-  memory spare is moved to the same snapshot (made a clone of the standby
-  where there is none), and each disk spare to the checkpoint's disk
-  (filled from the layers where there is none); the memory spares are
-  warmed the same way last, once a fork's QEMU waits on them. After a fork
-  took a pair, that pair is made anew at once (``prepare_spares``).
+  neither faults it in nor dirties it in large folios. Then, which restores
+  do not wait for, each memory spare is moved to the same snapshot (made a
+  clone of the standby where there is none), and each disk spare to the
+  checkpoint's disk (filled from the layers where there is none), by the
+  spares' worker, a process of its own at the lowest priority (see
+  blockdiff.vm.spares_worker); the memory spares are warmed the same way
+  last, once a fork's QEMU waits on them. After a fork took a pair, that
+  pair is made anew at once (``prepare_spares``), at the usual priority
+  but while a fork resumes.
 
 Whoever prepares, takes or swaps the standby holds its lock exclusively;
 whoever copies it, the memory spare's clone included, shares it. Each spare
 has a lock of its own, taken after the standby's. A restore or fork that
 finds one locked by another, or missing, or not clean at a snapshot the
 store still has, does without. The threads are not daemons: a process that
-exits waits for them, so that it leaves no half-built file.
+exits waits for them, and they for the spares' worker, so that it leaves no
+half-built file.
 
 All three share every block with the layers of their snapshots: they cost
 the store no space while those snapshots stay, and at most an image's worth
@@ -56,9 +59,15 @@ on.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
+import json
 import os
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -67,6 +76,7 @@ import numpy as np
 
 from blockdiff.engine.extents import pieces_within
 from blockdiff.engine.files import clone_or_copy
+from blockdiff.errors import VMError
 from blockdiff.store.lineage import forget_lineage, set_lineage
 from blockdiff.store.store import Store
 from blockdiff.vm.machine import warm_page_cache
@@ -85,6 +95,9 @@ SPARE_PAIRS = 2
 # without: a clone of it for the memory spare takes tens of milliseconds.
 BRING_WAIT = 0.25
 CAP_SYS_NICE = 23   # its bit in /proc/PID/status's capability sets
+# How long a fork waits for the spares' worker to leave its catalog's
+# statement or transaction (milliseconds) before it lets it run on.
+STOP_WAIT = 0.2
 # Nothing written since its snapshot: the in-place restore compares maps only.
 NOTHING_WRITTEN = (np.zeros(0, np.uint64), np.zeros(0, np.uint64))
 
@@ -164,10 +177,8 @@ class Standby:
     and the pairs of spares its forks take."""
 
     def __init__(self, store: Store, directory: Path, *, spares_ready=None):
-        """``spares_ready()``: called in the spares' thread, at the process's
-        usual priority, each time the spares were prepared (its error, if
-        any, is ``spares_failure``; not called where that priority cannot
-        be had back, without CAP_SYS_NICE)."""
+        """``spares_ready()``: called in the spares' thread each time the
+        spares were prepared (its error, if any, is ``spares_failure``)."""
         self.store = store
         self.spares_ready = spares_ready
         self.path = directory / STANDBY
@@ -178,7 +189,6 @@ class Standby:
         self._thread: threading.Thread | None = None          # the standby's
         self._spares_thread: threading.Thread | None = None   # the spares'
         self._spares_wanted: tuple | None = None   # what it is to do next
-        self._spares_tid: int | None = None         # its thread id, once it runs
         self._chaining = threading.Lock()          # guards both
         # Why the last preparation of the standby (or a copy of it), or of the
         # spares, failed (None if it did not): a thread must not print, and
@@ -234,10 +244,10 @@ class Standby:
         place if it has not begun (only the last one asked for is made).
         ``missing_only``: only the spares that are not there, clean, are
         made (a fork took them; the other pair stays where it is, for the
-        next fork). ``idle``: at the lowest priority (nice 19, that thread
-        only), which still moves on when every core is busy, as
+        next fork). ``idle``: at the lowest priority (nice 19, the spares'
+        worker only), which still moves on when every core is busy, as
         ``SCHED_IDLE`` would not: a command's process waits for its threads
-        to exit."""
+        to exit, and they for the worker."""
         with self._chaining:
             self._spares_wanted = (memory_snapshot_id, disk_snapshot_id, idle, missing_only)
             if self._spares_thread is None:
@@ -406,28 +416,22 @@ class Standby:
 
     @contextlib.contextmanager
     def yielding(self):
-        """This process's spares' thread, if it runs, at the lowest priority
-        meanwhile (a fork's critical path: the pair the last fork took is
-        being made anew, 0.2-0.3 s of CPU beside it), then as it was. Only
-        where that priority can be had back (CAP_SYS_NICE)."""
-        with self._chaining:
-            tid = self._spares_tid if self._spares_thread is not None else None
-        before = None
-        if tid is not None and may_raise_priority():
-            with contextlib.suppress(OSError):
-                before = os.getpriority(os.PRIO_PROCESS, tid)
-                os.setpriority(os.PRIO_PROCESS, tid, 19)
-        try:
+        """The spares' worker (see blockdiff.vm.spares_worker), if there is
+        one, stopped meanwhile, then let go on: a fork's critical path,
+        beside which it would spend CPU (0.2-0.3 s to make anew the pair
+        the fork before took) and reflink on the same filesystem. Stopped,
+        it holds what locks it held: the standby's (shared, while it
+        clones it) among them, which a restore waits for. A restore does
+        not stop it: in two benchmark runs that did, the next restores
+        waited longer for the standby's preparation, beside which the
+        moves held back then ran."""
+        with SPARES_WORKER.stopped():
             yield
-        finally:
-            if before is not None:
-                with contextlib.suppress(OSError):
-                    os.setpriority(os.PRIO_PROCESS, tid, before)
 
     def _prepare_spares_wanted(self) -> None:
-        """The spares' thread: what was asked for last, until nothing is."""
-        me = self._spares_tid = threading.get_native_id()
-        usual = os.getpriority(os.PRIO_PROCESS, me)   # as the process runs
+        """The spares' thread: what was asked for last, until nothing is,
+        carried out by the spares' worker."""
+        request = {"store": str(self.store.root), "directory": str(self.path.parent)}
         while True:
             with self._chaining:
                 wanted, self._spares_wanted = self._spares_wanted, None
@@ -435,41 +439,38 @@ class Standby:
                     self._spares_thread = None
                     return
             memory_snapshot_id, disk_snapshot_id, idle, missing_only = wanted
-            # Back from 19 needs CAP_SYS_NICE: without it, a rebuild after a
-            # fork asked for while a move ran stays at 19.
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, me, 19 if idle else usual)
-            self._prepare_spares(memory_snapshot_id, disk_snapshot_id, missing_only)
+            self.spares_failure = SPARES_WORKER.run(
+                request | {"op": "prepare", "memory": memory_snapshot_id,
+                           "disk": disk_snapshot_id, "missing_only": missing_only},
+                idle=idle)
             if self.spares_ready is not None and self.spares_failure is None:
-                with contextlib.suppress(OSError):
-                    os.setpriority(os.PRIO_PROCESS, me, usual)
-                    try:
-                        self.spares_ready()
-                    except Exception as e:   # noqa: BLE001 - see spares_failure
-                        self.spares_failure = e
-                with contextlib.suppress(OSError):
-                    os.setpriority(os.PRIO_PROCESS, me, 19 if idle else usual)
+                try:
+                    self.spares_ready()
+                except Exception as e:   # noqa: BLE001 - see spares_failure
+                    self.spares_failure = e
             # Warmed last, once a fork's QEMU waits on them: a pair made anew
             # after a fork spent 0.2-0.4 s warming its memory spare before
             # that QEMU started, and a fork that takes a spare not warmed
             # warms what its guest writes first itself (see Sandbox._resume).
-            for pair in self.pairs:
-                with contextlib.suppress(OSError):
-                    warm_whole(pair.memory.path)
+            SPARES_WORKER.run(request | {"op": "warm"}, idle=idle)
 
-    def _prepare_spares(self, memory_snapshot_id: str | None,
-                        disk_snapshot_id: str | None, missing_only: bool) -> None:
-        self.spares_failure = None
-        try:
-            for pair in self.pairs:
-                if not (missing_only and pair.memory.ready()):
-                    self._prepare_memory_spare(pair.memory, memory_snapshot_id)
-                if disk_snapshot_id is not None and not (missing_only and pair.disk.ready()):
-                    pair.disk.move(disk_snapshot_id)
-        except Exception as e:   # noqa: BLE001 - see spares_failure
-            # A spare left half-moved is marked "restoring" by its lineage:
-            # nothing takes it, and the next preparation replaces it.
-            self.spares_failure = e
+    def prepare_spares_here(self, memory_snapshot_id: str | None,
+                            disk_snapshot_id: str | None, missing_only: bool) -> None:
+        """What ``prepare_spares`` asks for, done in this thread (the spares'
+        worker's). A spare left half-moved by an error is marked
+        "restoring" by its lineage: nothing takes it, and the next
+        preparation replaces it."""
+        for pair in self.pairs:
+            if not (missing_only and pair.memory.ready()):
+                self._prepare_memory_spare(pair.memory, memory_snapshot_id)
+            if disk_snapshot_id is not None and not (missing_only and pair.disk.ready()):
+                pair.disk.move(disk_snapshot_id)
+
+    def warm_spares(self) -> None:
+        """The memory spares' page cache filled in 4 KiB folios."""
+        for pair in self.pairs:
+            with contextlib.suppress(OSError):
+                warm_whole(pair.memory.path)
 
     def _prepare_memory_spare(self, spare: Spare, memory_snapshot_id: str | None) -> None:
         if memory_snapshot_id is not None and clean(
@@ -482,6 +483,142 @@ class Standby:
             target = memory_snapshot_id or (known if state == "clean" else None)
             if target is not None:
                 spare.move(target, clone_of=self.path)
+
+
+class SparesWorker:
+    """This process's spares' worker (see blockdiff.vm.spares_worker),
+    started at its first request, which carries out one request at a
+    time: at nice 19 where the request is idle, else at the priority it
+    started with; stopped while a fork resumes (``stopped``)."""
+
+    def __init__(self):
+        self._process: subprocess.Popen | None = None
+        self._requests = threading.Lock()   # one request at a time
+        self._priority = threading.Lock()   # guards the four below
+        self._usual = 0          # the worker's priority when it started
+        self._idle = False       # the request under way is idle
+        self._stopped = 0        # stopped() under way
+        self._holding = False    # the stop lock held, the worker stopped
+        # Held shared by the worker in each statement or transaction of its
+        # catalog, exclusively by this process to stop it (a file of its
+        # own, outside any store: see ``stopped``).
+        self._stop_lock: int | None = None
+        self._stop_lock_path: str | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The worker's pid while it runs."""
+        process = self._process
+        return process.pid if process is not None and process.poll() is None else None
+
+    def run(self, request: dict, *, idle: bool) -> VMError | None:
+        """Carry out ``request`` (at nice 19 if ``idle``): None, or why it
+        failed (the worker, if it failed itself, is started anew next
+        time)."""
+        with self._requests:
+            try:
+                process = self._running()
+                with self._priority:
+                    self._idle = idle
+                    self._apply()
+                process.stdin.write(json.dumps(request) + "\n")
+                process.stdin.flush()
+                answer = process.stdout.readline()
+                if not answer:
+                    raise OSError(f"it exited ({process.wait()})")
+                failure = json.loads(answer)["failure"]
+            except (OSError, ValueError) as e:
+                self.close()
+                return VMError(f"the spares' worker process failed: {e}")
+        return None if failure is None else VMError(f"preparing the spares: {failure}")
+
+    @contextlib.contextmanager
+    def stopped(self):
+        """The worker stopped meanwhile (SIGSTOP, then SIGCONT; see
+        ``Standby.yielding``), once outside its catalog's statements and
+        transactions: stopped inside one, it would hold up every writer of
+        the catalog, this process's among them. Not stopped if it does not
+        leave one within ``STOP_WAIT`` seconds."""
+        with self._priority:
+            self._stopped += 1
+            if self._stopped == 1 and self.pid is not None and self._hold_stop_lock():
+                self._holding = True
+                self._signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            with self._priority:
+                self._stopped -= 1
+                if not self._stopped and self._holding:
+                    self._holding = False
+                    self._signal(signal.SIGCONT)
+                    fcntl.flock(self._stop_lock, fcntl.LOCK_UN)
+
+    def _hold_stop_lock(self) -> bool:
+        deadline = time.monotonic() + STOP_WAIT
+        while True:
+            try:
+                fcntl.flock(self._stop_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.001)
+
+    def _signal(self, number: int) -> None:
+        pid = self.pid
+        if pid is not None:
+            with contextlib.suppress(OSError):
+                os.kill(pid, number)
+
+    def _apply(self) -> None:
+        pid = self.pid
+        if pid is not None:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, pid, 19 if self._idle else self._usual)
+
+    def _running(self) -> subprocess.Popen:
+        if self.pid is None:
+            if self._stop_lock is None:
+                self._stop_lock, self._stop_lock_path = tempfile.mkstemp(
+                    prefix="blockdiff-spares-", suffix=".lock")
+                os.set_inheritable(self._stop_lock, False)
+            # The blockdiff this process runs, wherever it was imported from.
+            where = str(Path(__file__).resolve().parents[2])
+            self._process = subprocess.Popen(
+                [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                 "from blockdiff.vm.spares_worker import main; main(sys.argv[2])", where,
+                 self._stop_lock_path],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                cwd="/", text=True, start_new_session=True)
+            with contextlib.suppress(OSError):
+                self._usual = os.getpriority(os.PRIO_PROCESS, self._process.pid)
+        return self._process
+
+    def close(self) -> None:
+        """Let the worker go: it exits once its request, if any, is done
+        (killed after 10 s)."""
+        process, self._process = self._process, None
+        if process is not None:
+            with contextlib.suppress(OSError):
+                process.stdin.close()
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            process.stdout.close()
+
+    def at_exit(self) -> None:
+        """The worker let go, and the stop lock's file removed."""
+        self.close()
+        if self._stop_lock_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._stop_lock_path)
+
+
+SPARES_WORKER = SparesWorker()
+atexit.register(SPARES_WORKER.at_exit)
 
 
 def may_raise_priority() -> bool:
