@@ -445,6 +445,33 @@ def test_the_workers_catalog_lock_holds_the_stop_lock_outermost(tmp_path):
         os.close(probe)
 
 
+def test_spares_of_a_store_opened_by_a_relative_path(store, xfs, monkeypatch):
+    # The worker runs in /: what it is asked names the store and the VM
+    # absolutely.
+    taken = snapshots(store, xfs, random.Random(18), 1)
+    monkeypatch.chdir(xfs)
+    (xfs / "vm").mkdir()
+    with Store("store") as relative:
+        standby = Standby(relative, Path("vm"))
+        standby.prepare(taken[0][0].id, taken[0][0].id)
+        standby.wait()
+        assert standby.failure is None and standby.spares_failure is None
+    assert all(store.lineage(xfs / spare.path) == (taken[0][0].id, "clean")
+               for spare in spares(standby))
+
+
+def test_a_child_forked_after_the_worker_started_starts_its_own(store, xfs):
+    prepared_at_first(store, xfs, random.Random(19), 1)
+    worker = SPARES_WORKER.pid
+    assert worker is not None
+    child = os.fork()
+    if child == 0:
+        os._exit(0 if SPARES_WORKER.pid is None and SPARES_WORKER._stop_lock is None else 1)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert SPARES_WORKER.pid == worker
+
+
 def test_idle_spares_are_prepared_at_the_lowest_priority(store, xfs):
     if not may_raise_priority():
         pytest.skip("needs CAP_SYS_NICE to give the worker its priority back")

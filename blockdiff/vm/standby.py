@@ -431,7 +431,9 @@ class Standby:
     def _prepare_spares_wanted(self) -> None:
         """The spares' thread: what was asked for last, until nothing is,
         carried out by the spares' worker."""
-        request = {"store": str(self.store.root), "directory": str(self.path.parent)}
+        # Absolute: the worker runs in /.
+        request = {"store": str(self.store.root.absolute()),
+                   "directory": str(self.path.parent.absolute())}
         while True:
             with self._chaining:
                 wanted, self._spares_wanted = self._spares_wanted, None
@@ -492,6 +494,11 @@ class SparesWorker:
     started with; stopped while a fork resumes (``stopped``)."""
 
     def __init__(self):
+        self._forget()
+
+    def _forget(self) -> None:
+        """No worker yet (also in a child this process forks: the worker,
+        its pipes and its stop lock are this process's, not the child's)."""
         self._process: subprocess.Popen | None = None
         self._requests = threading.Lock()   # one request at a time
         self._priority = threading.Lock()   # guards the four below
@@ -619,6 +626,7 @@ class SparesWorker:
 
 SPARES_WORKER = SparesWorker()
 atexit.register(SPARES_WORKER.at_exit)
+os.register_at_fork(after_in_child=SPARES_WORKER._forget)
 
 
 def may_raise_priority() -> bool:
