@@ -11,6 +11,8 @@ import os
 import random
 import signal
 import stat
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -409,6 +411,51 @@ def test_the_spares_worker_is_not_stopped_inside_a_catalog_transaction(store, xf
     assert standby.spares_failure is None
 
 
+ORPHAN = """
+import sys, time
+from pathlib import Path
+from blockdiff.store.store import Store
+from blockdiff.vm.standby import SPARES_WORKER, Standby
+standby = Standby(Store(sys.argv[1]), Path(sys.argv[2]))
+standby.prepare_spares(sys.argv[3], sys.argv[3])
+time.sleep(0.5)
+with standby.yielding():
+    print(SPARES_WORKER.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_worker_stopped_when_its_process_dies_finishes_and_exits(store, xfs):
+    standby, taken = prepared_at_first(store, xfs, random.Random(20), 2)
+    later = taken[1][0].id
+    lock = os.open(standby.pairs[0].memory.lock_path, os.O_RDWR)
+    parent = None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)       # the worker waits for it, alive
+        parent = subprocess.Popen([sys.executable, "-c", ORPHAN, str(store.root),
+                                   str(standby.path.parent), later], stdout=subprocess.PIPE,
+                                  text=True)
+        worker = int(parent.stdout.readline())
+        assert worker_state(worker) == "T"
+        parent.kill()                          # dies with its worker stopped
+        parent.wait()
+        # Hung up and let go on by the kernel, it still waits for the lock.
+        assert worker_state(worker) != "T"
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        for _ in range(1000):                  # its request done, it sees the end of its input
+            if not Path(f"/proc/{worker}").exists():
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError("the worker did not exit")
+    finally:
+        os.close(lock)
+        if parent is not None and parent.poll() is None:
+            parent.kill()
+            parent.wait()
+    assert all(store.lineage(spare.path) == (later, "clean") for spare in spares(standby))
+
+
 def test_the_workers_catalog_lock_holds_the_stop_lock_outermost(tmp_path):
     path = tmp_path / "stop.lock"
     path.touch()
@@ -499,11 +546,21 @@ def test_the_spares_worker_reports_a_failure_and_is_started_anew_if_it_dies(stor
     standby.prepare_spares("no-such-snapshot", None)
     standby.wait()
     assert "preparing the spares" in str(standby.spares_failure)
-    os.kill(SPARES_WORKER.pid, signal.SIGKILL)
-    standby.prepare_spares(later, later)
-    standby.wait()
+    # Killed during a request (waiting for a spare's lock): reported.
+    lock = os.open(standby.pairs[0].memory.lock_path, os.O_RDWR)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        standby.prepare_spares(later, later)
+        time.sleep(0.3)
+        worker = SPARES_WORKER.pid
+        os.kill(worker, signal.SIGKILL)
+        standby.wait()
+    finally:
+        os.close(lock)
     assert "worker process failed" in str(standby.spares_failure)
     standby.prepare_spares(later, later)        # a new worker
+    standby.wait()
+    assert SPARES_WORKER.pid not in (None, worker)
     standby.wait()
     assert standby.spares_failure is None
     assert all(store.lineage(spare.path) == (later, "clean") for spare in spares(standby))

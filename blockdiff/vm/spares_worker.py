@@ -26,6 +26,7 @@ the process that started it does.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import json
 import os
@@ -35,6 +36,8 @@ from pathlib import Path
 
 from blockdiff.store.store import Store
 from blockdiff.vm.standby import Standby
+
+PR_SET_PDEATHSIG = 1   # <linux/prctl.h>
 
 
 class HeldAgainstStops:
@@ -87,9 +90,11 @@ def serve(request: dict, stop_lock: str) -> str | None:
 
 def main(stop_lock: str) -> None:
     # Stopped while a fork resumes (Standby.yielding): should the process
-    # that started it die meanwhile, the kernel hangs it up and lets it go
-    # on, and it finishes its request before it sees the end of its input.
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # that started it die meanwhile, the kernel lets it go on (its
+    # parent-death signal, which follows the thread that started it: one
+    # that lives as long as its process), and it finishes its request
+    # before it sees the end of its input.
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGCONT)
     for line in sys.stdin:
         sys.stdout.write(json.dumps({"failure": serve(json.loads(line), stop_lock)}) + "\n")
         sys.stdout.flush()

@@ -70,6 +70,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -95,8 +96,8 @@ SPARE_PAIRS = 2
 # without: a clone of it for the memory spare takes tens of milliseconds.
 BRING_WAIT = 0.25
 CAP_SYS_NICE = 23   # its bit in /proc/PID/status's capability sets
-# How long a fork waits for the spares' worker to leave its catalog's
-# statement or transaction (milliseconds) before it lets it run on.
+# How long a fork waits (seconds) for the spares' worker to leave its
+# catalog's statement or transaction before it lets it run on.
 STOP_WAIT = 0.2
 # Nothing written since its snapshot: the in-place restore compares maps only.
 NOTHING_WRITTEN = (np.zeros(0, np.uint64), np.zeros(0, np.uint64))
@@ -500,6 +501,7 @@ class SparesWorker:
         """No worker yet (also in a child this process forks: the worker,
         its pipes and its stop lock are this process's, not the child's)."""
         self._process: subprocess.Popen | None = None
+        self._spawner = ThreadPoolExecutor(1, thread_name_prefix="spares-spawner")
         self._requests = threading.Lock()   # one request at a time
         self._priority = threading.Lock()   # guards the four below
         self._usual = 0          # the worker's priority when it started
@@ -592,12 +594,15 @@ class SparesWorker:
                 os.set_inheritable(self._stop_lock, False)
             # The blockdiff this process runs, wherever it was imported from.
             where = str(Path(__file__).resolve().parents[2])
-            self._process = subprocess.Popen(
+            # Started by a thread that lives as long as this process: the
+            # worker's parent-death signal follows the thread that started it.
+            self._process = self._spawner.submit(
+                subprocess.Popen,
                 [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
                  "from blockdiff.vm.spares_worker import main; main(sys.argv[2])", where,
                  self._stop_lock_path],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                cwd="/", text=True, start_new_session=True)
+                cwd="/", text=True, start_new_session=True).result()
             with contextlib.suppress(OSError):
                 self._usual = os.getpriority(os.PRIO_PROCESS, self._process.pid)
         return self._process
