@@ -64,13 +64,13 @@ import contextlib
 import fcntl
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -501,7 +501,8 @@ class SparesWorker:
         """No worker yet (also in a child this process forks: the worker,
         its pipes and its stop lock are this process's, not the child's)."""
         self._process: subprocess.Popen | None = None
-        self._spawner = ThreadPoolExecutor(1, thread_name_prefix="spares-spawner")
+        self._spawns: queue.SimpleQueue = queue.SimpleQueue()
+        self._spawner: threading.Thread | None = None
         self._requests = threading.Lock()   # one request at a time
         self._priority = threading.Lock()   # guards the four below
         self._usual = 0          # the worker's priority when it started
@@ -596,16 +597,39 @@ class SparesWorker:
             where = str(Path(__file__).resolve().parents[2])
             # Started by a thread that lives as long as this process: the
             # worker's parent-death signal follows the thread that started it.
-            self._process = self._spawner.submit(
-                subprocess.Popen,
+            self._process = self._spawn(
                 [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
                  "from blockdiff.vm.spares_worker import main; main(sys.argv[2])", where,
                  self._stop_lock_path],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                cwd="/", text=True, start_new_session=True).result()
+                cwd="/", text=True, start_new_session=True)
             with contextlib.suppress(OSError):
                 self._usual = os.getpriority(os.PRIO_PROCESS, self._process.pid)
         return self._process
+
+    def _spawn(self, *args, **kwargs) -> subprocess.Popen:
+        """``subprocess.Popen(*args, **kwargs)`` in the spawner thread, a
+        daemon that lives until the process exits (an executor's thread
+        ends, and refuses work, once the interpreter starts to shut down,
+        while a command's spares' thread may still start the worker)."""
+        if self._spawner is None:
+            self._spawner = threading.Thread(target=self._spawning, name="spares-spawner",
+                                             daemon=True)
+            self._spawner.start()
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        self._spawns.put((args, kwargs, done))
+        result = done.get()
+        if isinstance(result, OSError):
+            raise result
+        return result
+
+    def _spawning(self) -> None:
+        while True:
+            args, kwargs, done = self._spawns.get()
+            try:
+                done.put(subprocess.Popen(*args, **kwargs))
+            except OSError as e:
+                done.put(e)
 
     def close(self) -> None:
         """Let the worker go: it exits once its request, if any, is done
