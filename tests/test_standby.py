@@ -32,6 +32,7 @@ from blockdiff.vm.standby import (
     SPARES_WORKER,
     STANDBY_LOCK,
     STOP_WAIT,
+    WORKER_READY,
     Standby,
     locked,
     may_raise_priority,
@@ -418,7 +419,9 @@ from blockdiff.store.store import Store
 from blockdiff.vm.standby import SPARES_WORKER, Standby
 standby = Standby(Store(sys.argv[1]), Path(sys.argv[2]))
 standby.prepare_spares(sys.argv[3], sys.argv[3])
-time.sleep(0.5)
+while SPARES_WORKER.pid is None:   # until it may be stopped
+    time.sleep(0.01)
+time.sleep(0.2)                    # at the spare's lock, likely
 with standby.yielding():
     print(SPARES_WORKER.pid, flush=True)
     time.sleep(600)
@@ -429,7 +432,7 @@ def test_a_worker_stopped_when_its_process_dies_finishes_and_exits(store, xfs):
     standby, taken = prepared_at_first(store, xfs, random.Random(20), 2)
     later = taken[1][0].id
     lock = os.open(standby.pairs[0].memory.lock_path, os.O_RDWR)
-    parent = None
+    parent = worker = None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)       # the worker waits for it, alive
         parent = subprocess.Popen([sys.executable, "-c", ORPHAN, str(store.root),
@@ -453,7 +456,26 @@ def test_a_worker_stopped_when_its_process_dies_finishes_and_exits(store, xfs):
         if parent is not None and parent.poll() is None:
             parent.kill()
             parent.wait()
+        if worker is not None and Path(f"/proc/{worker}").exists():
+            os.kill(worker, signal.SIGKILL)   # a failure's: not left stopped
     assert all(store.lineage(spare.path) == (later, "clean") for spare in spares(standby))
+
+
+def test_a_worker_whose_parent_is_gone_before_it_is_ready_exits_unready(tmp_path):
+    # Its parent-death signal set too late to come, it would otherwise wait on
+    # a pipe nobody writes, or stay stopped; pid 1 stands for a parent gone.
+    lock = tmp_path / "stop.lock"
+    lock.touch()
+    worker = subprocess.run(
+        [sys.executable, "-c", "import sys; from blockdiff.vm.spares_worker import main; "
+         "main(sys.argv[1], 1)", str(lock)],
+        input="", capture_output=True, text=True, timeout=60)
+    assert (worker.returncode, worker.stdout) == (0, "")
+    ready = subprocess.run(
+        [sys.executable, "-c", "import os, sys; from blockdiff.vm.spares_worker import main; "
+         "main(sys.argv[1], os.getppid())", str(lock)],
+        input="", capture_output=True, text=True, timeout=60)
+    assert (ready.returncode, ready.stdout) == (0, WORKER_READY + "\n")
 
 
 def test_the_workers_catalog_lock_holds_the_stop_lock_outermost(tmp_path):

@@ -10,7 +10,8 @@ too (a fork's critical path among them; profiled: 5-56 ms lost after a
 fork's guest answered). A process of its own holds no lock of theirs.
 
 One request a line on standard input, JSON, each answered by one line on
-standard output (``{"failure": null}`` or a message), the spares of the
+standard output (``{"failure": null}`` or a message), after a first line
+``ready`` once it may be stopped; the spares of the
 VM in ``directory`` of the store at ``store``:
 - ``{"op": "prepare", "store", "directory", "memory", "disk",
   "missing_only"}``: see ``Standby.prepare_spares_here``;
@@ -35,7 +36,7 @@ import sys
 from pathlib import Path
 
 from blockdiff.store.store import Store
-from blockdiff.vm.standby import Standby
+from blockdiff.vm.standby import WORKER_READY, Standby
 
 PR_SET_PDEATHSIG = 1   # <linux/prctl.h>
 
@@ -88,13 +89,19 @@ def serve(request: dict, stop_lock: str) -> str | None:
     return None
 
 
-def main(stop_lock: str) -> None:
+def main(stop_lock: str, parent: int) -> None:
     # Stopped while a fork resumes (Standby.yielding): should the process
     # that started it die meanwhile, the kernel lets it go on (its
     # parent-death signal, which follows the thread that started it: one
     # that lives as long as its process), and it finishes its request
-    # before it sees the end of its input.
+    # before it sees the end of its input. Only a worker that said it is
+    # ready, the signal set, is ever stopped; a parent gone before that
+    # would never send it.
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGCONT)
+    if os.getppid() != parent:
+        return
+    sys.stdout.write(WORKER_READY + "\n")
+    sys.stdout.flush()
     for line in sys.stdin:
         sys.stdout.write(json.dumps({"failure": serve(json.loads(line), stop_lock)}) + "\n")
         sys.stdout.flush()

@@ -99,6 +99,9 @@ CAP_SYS_NICE = 23   # its bit in /proc/PID/status's capability sets
 # How long a fork waits (seconds) for the spares' worker to leave its
 # catalog's statement or transaction before it lets it run on.
 STOP_WAIT = 0.2
+# The spares' worker's first line, once it may be stopped (its parent-death
+# signal set).
+WORKER_READY = "ready"
 # Nothing written since its snapshot: the in-place restore compares maps only.
 NOTHING_WRITTEN = (np.zeros(0, np.uint64), np.zeros(0, np.uint64))
 
@@ -597,14 +600,26 @@ class SparesWorker:
             where = str(Path(__file__).resolve().parents[2])
             # Started by a thread that lives as long as this process: the
             # worker's parent-death signal follows the thread that started it.
-            self._process = self._spawn(
+            process = self._spawn(
                 [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
-                 "from blockdiff.vm.spares_worker import main; main(sys.argv[2])", where,
-                 self._stop_lock_path],
+                 "from blockdiff.vm.spares_worker import main; "
+                 "main(sys.argv[2], int(sys.argv[3]))", where,
+                 self._stop_lock_path, str(os.getpid())],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                 cwd="/", text=True, start_new_session=True)
+            # Not ours to stop (see ``pid``) until it says it may be: one
+            # stopped before it set its parent-death signal would stay
+            # stopped should this process die.
+            ready = process.stdout.readline()
+            if ready != WORKER_READY + "\n":
+                process.kill()
+                process.wait()
+                process.stdin.close()
+                process.stdout.close()
+                raise OSError(f"it exited before it was ready ({process.returncode})")
             with contextlib.suppress(OSError):
-                self._usual = os.getpriority(os.PRIO_PROCESS, self._process.pid)
+                self._usual = os.getpriority(os.PRIO_PROCESS, process.pid)
+            self._process = process
         return self._process
 
     def _spawn(self, *args, **kwargs) -> subprocess.Popen:
