@@ -382,6 +382,73 @@ def test_a_fork_stops_the_spares_worker_meanwhile(store, xfs):
     assert os.readlink(f"/proc/{worker}/cwd") == "/"
 
 
+def test_gc_waits_for_a_worker_stopped_with_the_store_lock_while_a_fork_goes_on(store, xfs):
+    # A spare's move holds the store's lock shared while it reflinks: two
+    # thousand scattered pages keep it there long enough to be stopped in it.
+    size, pages = 32 << 20, 2000
+    image = xfs / "big.img"
+    with open(image, "wb") as f:
+        f.write(random.Random(21).randbytes(size))
+    first = store.commit(image)
+    rnd = random.Random(22)
+    fd = os.open(image, os.O_RDWR)
+    for page in rnd.sample(range(size // PAGE), pages):
+        os.pwrite(fd, rnd.randbytes(PAGE), page * PAGE)
+    os.close(fd)
+    second, second_hash = store.commit(image), digest(image)
+    vm = xfs / "vm"
+    vm.mkdir()
+    standby = Standby(store, vm)
+    standby.prepare(first.id, first.id)
+    standby.wait()
+    probe = os.open(store.lock.path, os.O_RDONLY)
+
+    def store_lock_held() -> bool:
+        try:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(probe, fcntl.LOCK_UN)
+        return False
+
+    removed = []
+
+    def collect() -> None:
+        with Store(store.root) as other:
+            removed.append(other.gc(Policy(keep_last=100)))
+
+    gc = threading.Thread(target=collect)
+    try:
+        standby.prepare_spares(second.id)
+        deadline = time.monotonic() + 30
+        while not store_lock_held():
+            assert time.monotonic() < deadline, "the worker never took the store's lock"
+            time.sleep(0.0002)
+        with standby.yielding():
+            assert worker_state(SPARES_WORKER.pid) == "T" and store_lock_held()
+            gc.start()                  # waits for the stopped worker
+            time.sleep(0.3)
+            assert gc.is_alive()
+            # A fork's own work needs the lock only shared: granted beside
+            # the waiting gc, as the catalog's write lock is.
+            store.restore(second.id, xfs / "fork.img")
+            assert digest(xfs / "fork.img") == second_hash
+            forked = store.commit(xfs / "fork.img")
+            assert gc.is_alive()
+        gc.join(30)
+        assert not gc.is_alive() and removed[0].removed == []
+    finally:
+        os.close(probe)
+        if gc.ident is not None:
+            gc.join(30)
+    standby.wait()
+    assert standby.spares_failure is None
+    for pair in standby.pairs:
+        assert store.lineage(pair.memory.path) == (second.id, "clean")
+        assert digest(pair.memory.path) == second_hash
+    assert store.get(forked.id) is not None and store.verify() == {}
+
+
 def test_the_spares_worker_is_not_stopped_inside_a_catalog_transaction(store, xfs):
     standby, taken = prepared_at_first(store, xfs, random.Random(17), 2)
     later = taken[1][0].id

@@ -541,6 +541,71 @@ def test_gc_and_rm_take_a_checkpoint_with_its_memory(store, box):
     assert store.verify() == {}
 
 
+# A gc process beside the forks: the first round removes the oldest
+# checkpoint, every round sweeps, under the store's exclusive lock, until
+# the file named by its second argument exists; then it prints its rounds.
+GC_LOOP = """
+import sys, time
+from pathlib import Path
+from blockdiff.store.retention import Policy
+from blockdiff.store.store import Store
+rounds = 0
+with Store(sys.argv[1]) as store:
+    while not Path(sys.argv[2]).exists():
+        store.gc(Policy(keep_last=3 if rounds == 0 else 100))
+        rounds += 1
+        time.sleep(0.01)
+print(rounds)
+"""
+
+
+def test_gc_beside_forks_whose_spares_worker_is_stopped(store, box, tmp_path):
+    # Each fork stops the spares' worker while it resumes, which may be in
+    # the middle of making anew the pair the fork before took, the store's
+    # lock held shared; gc takes that lock exclusively. Whichever way they
+    # interleave, every fork resumes whole, gc removes what it should, and
+    # nothing waits long (the exact case, a worker stopped with the lock in
+    # hand, is test_standby's gc test).
+    pid, digest = running_step(box)
+    checkpoints = []
+    for k in range(4):
+        run(box, f"echo {k} > /root/k")
+        checkpoints.append(box.checkpoint(f"step {k}"))
+    box.standby.wait()
+    done = tmp_path / "done"
+    gc = subprocess.Popen([sys.executable, "-c", GC_LOOP, str(store.root), str(done)],
+                          text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    forks = []
+    try:
+        # In a row: each while the worker makes anew the pair the last took.
+        for i, checkpoint in enumerate(checkpoints[1:] + checkpoints[-1:]):
+            began = time.monotonic()
+            forks.append((box.fork(checkpoint, f"fork{i}"), checkpoints.index(checkpoint)))
+            assert time.monotonic() - began < 60
+        done.touch()
+        out, err = gc.communicate(timeout=120)
+        for fork, k in forks:
+            assert fork.machine.memory_backed
+            assert alive(fork, pid) and payload_hash(fork) == digest
+            assert run(fork, "cat /root/k") == f"{k}\n"
+    finally:
+        for fork, _ in forks:
+            fork.destroy()
+        if gc.poll() is None:
+            gc.kill()
+            gc.wait()
+    assert gc.returncode == 0 and int(out) >= 1, err
+    assert checkpoints[0] not in {s.id for s in store.log()}
+    box.standby.wait()
+    assert box.standby.spares_failure is None
+    for pair in box.standby.pairs:
+        for spare in (pair.memory, pair.disk):
+            assert store.lineage(spare.path)[1] == "clean"
+    box.restore(checkpoints[1])
+    assert alive(box, pid) and run(box, "cat /root/k") == "1\n"
+    assert store.verify() == {}
+
+
 def test_ram_stored_per_small_step_is_a_few_mib(store, box):
     run(box, COUNTER)
     stored = []
