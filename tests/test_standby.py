@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from blockdiff.store.lineage import forget_lineage
 from blockdiff.store.retention import Policy
 from blockdiff.store.store import Store
+from blockdiff.vm import standby as standby_module
 from blockdiff.vm.spares_worker import HeldAgainstStops
 from blockdiff.vm.standby import (
     NOTHING_WRITTEN,
@@ -627,6 +628,23 @@ def test_idle_spares_are_prepared_at_the_lowest_priority(store, xfs):
         os.close(lock)
     # The process's own threads keep their priority.
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19
+
+
+def test_a_worker_left_idle_is_replaced_where_its_priority_cannot_be_given_back(
+        store, xfs, monkeypatch):
+    standby, taken = prepared_at_first(store, xfs, random.Random(23), 3)
+    monkeypatch.setattr(standby_module, "may_raise_priority", lambda: False)
+    standby.prepare_spares(taken[1][0].id, taken[1][0].id, idle=True)
+    standby.wait()
+    idle = SPARES_WORKER.pid
+    assert os.getpriority(os.PRIO_PROCESS, idle) == 19
+    standby.prepare_spares(taken[2][0].id, taken[2][0].id)
+    standby.wait()
+    assert standby.spares_failure is None
+    assert SPARES_WORKER.pid not in (None, idle) and not Path(f"/proc/{idle}").exists()
+    assert os.getpriority(os.PRIO_PROCESS, SPARES_WORKER.pid) < 19
+    assert all(store.lineage(spare.path) == (taken[2][0].id, "clean")
+               for spare in spares(standby))
 
 
 def test_the_spares_worker_reports_a_failure_and_is_started_anew_if_it_dies(store, xfs):

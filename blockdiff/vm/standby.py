@@ -530,6 +530,10 @@ class SparesWorker:
         time)."""
         with self._requests:
             try:
+                if not idle and self._niced() and not may_raise_priority():
+                    # Left at nice 19 by an idle request, it cannot be given
+                    # its priority back (no CAP_SYS_NICE): a new one can.
+                    self.close()
                 process = self._running()
                 with self._priority:
                     self._idle = idle
@@ -583,6 +587,14 @@ class SparesWorker:
         if pid is not None:
             with contextlib.suppress(OSError):
                 os.kill(pid, number)
+
+    def _niced(self) -> bool:
+        """Whether the worker runs below the priority it started with."""
+        pid = self.pid
+        try:
+            return pid is not None and os.getpriority(os.PRIO_PROCESS, pid) > self._usual
+        except OSError:
+            return False
 
     def _apply(self) -> None:
         pid = self.pid
@@ -674,8 +686,8 @@ os.register_at_fork(after_in_child=SPARES_WORKER._forget)
 
 
 def may_raise_priority() -> bool:
-    """Whether this process may give a thread a higher priority than it has
-    (CAP_SYS_NICE): without it, a thread put at nice 19 stays there."""
+    """Whether this process may give a process a higher priority than it has
+    (CAP_SYS_NICE): without it, one put at nice 19 stays there."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
