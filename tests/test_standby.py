@@ -647,6 +647,17 @@ def test_a_worker_left_idle_is_replaced_where_its_priority_cannot_be_given_back(
                for spare in spares(standby))
 
 
+def test_a_worker_let_go_while_a_fork_has_it_stopped_exits_at_once(store, xfs):
+    prepared_at_first(store, xfs, random.Random(24), 1)
+    worker = SPARES_WORKER.pid
+    with SPARES_WORKER.stopped():
+        assert worker_state(worker) == "T"
+        began = time.monotonic()
+        SPARES_WORKER.close()
+        assert time.monotonic() - began < 5 and not Path(f"/proc/{worker}").exists()
+    assert SPARES_WORKER.pid is None
+
+
 def test_the_spares_worker_reports_a_failure_and_is_started_anew_if_it_dies(store, xfs):
     standby, taken = prepared_at_first(store, xfs, random.Random(15), 2)
     later = taken[1][0].id

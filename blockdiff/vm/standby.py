@@ -665,6 +665,10 @@ class SparesWorker:
         if process is not None:
             with contextlib.suppress(OSError):
                 process.stdin.close()
+            # Stopped by a fork (``stopped``), which no longer knows it to
+            # let it go: let go now, to see the end of its input.
+            with contextlib.suppress(OSError):
+                process.send_signal(signal.SIGCONT)   # never a reaped pid's
             try:
                 process.wait(10)
             except subprocess.TimeoutExpired:
