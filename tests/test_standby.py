@@ -402,15 +402,10 @@ def test_gc_waits_for_a_worker_stopped_with_the_store_lock_while_a_fork_goes_on(
     standby = Standby(store, vm)
     standby.prepare(first.id, first.id)
     standby.wait()
-    probe = os.open(store.lock.path, os.O_RDONLY)
 
     def store_lock_held() -> bool:
-        try:
-            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(probe, fcntl.LOCK_UN)
-        return False
+        with locked(store.lock.path, wait=False) as had:
+            return not had
 
     removed = []
 
@@ -439,7 +434,6 @@ def test_gc_waits_for_a_worker_stopped_with_the_store_lock_while_a_fork_goes_on(
         gc.join(30)
         assert not gc.is_alive() and removed[0].removed == []
     finally:
-        os.close(probe)
         if gc.ident is not None:
             gc.join(30)
     standby.wait()
@@ -510,7 +504,7 @@ def test_a_worker_stopped_when_its_process_dies_finishes_and_exits(store, xfs):
         assert worker_state(worker) == "T"
         parent.kill()                          # dies with its worker stopped
         parent.wait()
-        # Hung up and let go on by the kernel, it still waits for the lock.
+        # Let go on by its parent-death signal, it still waits for the lock.
         assert worker_state(worker) != "T"
         fcntl.flock(lock, fcntl.LOCK_UN)
         for _ in range(1000):                  # its request done, it sees the end of its input
@@ -551,35 +545,27 @@ def test_the_workers_catalog_lock_holds_the_stop_lock_outermost(tmp_path):
     path.touch()
     inner = threading.RLock()
     held = HeldAgainstStops(inner, str(path))
-    probe = os.open(path, os.O_RDWR)
 
     def free() -> bool:
-        try:
-            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        fcntl.flock(probe, fcntl.LOCK_UN)
-        return True
+        with locked(path, wait=False) as had:
+            return had
 
-    try:
-        assert free()
-        with held:
+    assert free()
+    with held:
+        assert not free()
+        with held:                         # a statement in a transaction
             assert not free()
-            with held:                         # a statement in a transaction
-                assert not free()
-            assert not free()
-        assert free()
-        # Another thread waits for the catalog's lock first, as before.
-        with held:
-            entered = threading.Event()
-            thread = threading.Thread(target=lambda: (held.__enter__(), entered.set(),
-                                                      held.__exit__(None, None, None)))
-            thread.start()
-            assert not entered.wait(0.1)
-        thread.join(5)
-        assert entered.is_set() and free()
-    finally:
-        os.close(probe)
+        assert not free()
+    assert free()
+    # Another thread waits for the catalog's lock first, as before.
+    with held:
+        entered = threading.Event()
+        thread = threading.Thread(target=lambda: (held.__enter__(), entered.set(),
+                                                  held.__exit__(None, None, None)))
+        thread.start()
+        assert not entered.wait(0.1)
+    thread.join(5)
+    assert entered.is_set() and free()
 
 
 def test_spares_of_a_store_opened_by_a_relative_path(store, xfs, monkeypatch):
@@ -647,6 +633,15 @@ def test_a_worker_left_idle_is_replaced_where_its_priority_cannot_be_given_back(
                for spare in spares(standby))
 
 
+def test_the_spawner_thread_hands_back_any_error_and_spawns_on():
+    # Its error raised where the worker was asked for, not lost with the
+    # thread (which would leave the asking thread waiting for good).
+    with pytest.raises(TypeError):
+        SPARES_WORKER._spawn(["true"], no_such_argument=1)
+    process = SPARES_WORKER._spawn(["true"])
+    assert process.wait(30) == 0
+
+
 def test_a_worker_let_go_while_a_fork_has_it_stopped_exits_at_once(store, xfs):
     prepared_at_first(store, xfs, random.Random(24), 1)
     worker = SPARES_WORKER.pid
@@ -679,7 +674,6 @@ def test_the_spares_worker_reports_a_failure_and_is_started_anew_if_it_dies(stor
     standby.prepare_spares(later, later)        # a new worker
     standby.wait()
     assert SPARES_WORKER.pid not in (None, worker)
-    standby.wait()
     assert standby.spares_failure is None
     assert all(store.lineage(spare.path) == (later, "clean") for spare in spares(standby))
 

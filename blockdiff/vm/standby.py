@@ -622,12 +622,8 @@ class SparesWorker:
             # Not ours to stop (see ``pid``) until it says it may be: one
             # stopped before it set its parent-death signal would stay
             # stopped should this process die.
-            ready = process.stdout.readline()
-            if ready != WORKER_READY + "\n":
-                process.kill()
-                process.wait()
-                process.stdin.close()
-                process.stdout.close()
+            if process.stdout.readline() != WORKER_READY + "\n":
+                self._let_go(process)
                 raise OSError(f"it exited before it was ready ({process.returncode})")
             with contextlib.suppress(OSError):
                 self._usual = os.getpriority(os.PRIO_PROCESS, process.pid)
@@ -646,7 +642,7 @@ class SparesWorker:
         done: queue.SimpleQueue = queue.SimpleQueue()
         self._spawns.put((args, kwargs, done))
         result = done.get()
-        if isinstance(result, OSError):
+        if isinstance(result, Exception):
             raise result
         return result
 
@@ -655,7 +651,7 @@ class SparesWorker:
             args, kwargs, done = self._spawns.get()
             try:
                 done.put(subprocess.Popen(*args, **kwargs))
-            except OSError as e:
+            except Exception as e:   # noqa: BLE001 - raised in the asking thread
                 done.put(e)
 
     def close(self) -> None:
@@ -663,18 +659,24 @@ class SparesWorker:
         (killed after 10 s)."""
         process, self._process = self._process, None
         if process is not None:
-            with contextlib.suppress(OSError):
-                process.stdin.close()
-            # Stopped by a fork (``stopped``), which no longer knows it to
-            # let it go: let go now, to see the end of its input.
-            with contextlib.suppress(OSError):
-                process.send_signal(signal.SIGCONT)   # never a reaped pid's
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-            process.stdout.close()
+            self._let_go(process)
+
+    @staticmethod
+    def _let_go(process: subprocess.Popen) -> None:
+        """Close the pipes of worker ``process`` and wait for it to exit
+        (killed after 10 s)."""
+        with contextlib.suppress(OSError):
+            process.stdin.close()
+        # Stopped by a fork (``stopped``), which no longer knows it to let
+        # it go: let go now, to see the end of its input.
+        with contextlib.suppress(OSError):
+            process.send_signal(signal.SIGCONT)   # never a reaped pid's
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        process.stdout.close()
 
     def at_exit(self) -> None:
         """The worker let go, and the stop lock's file removed."""
