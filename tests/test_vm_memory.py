@@ -32,9 +32,12 @@ from blockdiff.vm.sandbox import MEMORY_KEY, Sandbox
 # The VM tests' image and store, where pytest looks for fixtures.
 vm_image, store = test_vm.vm_image, test_vm.store
 MiB = 1 << 20
-# A process of the step: counts into /tmp/counter ten times a second.
-COUNTER = ("(i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done) "
-           ">/dev/null 2>&1 & echo $!")
+# A process of the step: counts into /tmp/counter ten times a second. Each
+# count is written beside it and renamed over it: "echo > /tmp/counter"
+# truncates first, and a read (or a checkpoint) between the truncation and the
+# write would find the file empty.
+COUNTER = ("(i=0; while true; do i=$((i+1)); echo $i > /tmp/counter.new; "
+           "mv -f /tmp/counter.new /tmp/counter; sleep 0.1; done) >/dev/null 2>&1 & echo $!")
 # 16 MiB of random bytes in a tmpfs: they live only in guest RAM.
 PAYLOAD = ("mkdir -p /mnt/ram && mount -t tmpfs -o size=32m tmpfs /mnt/ram && "
            "head -c 16777216 /dev/urandom > /mnt/ram/payload && sha256sum /mnt/ram/payload")
