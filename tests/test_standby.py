@@ -642,6 +642,24 @@ def test_the_spawner_thread_hands_back_any_error_and_spawns_on():
     assert process.wait(30) == 0
 
 
+def test_a_worker_that_never_says_it_is_ready_is_killed_and_reported(tmp_path, monkeypatch):
+    # One hung before its first line would otherwise hold up the spares'
+    # thread, and this process's exit, for good.
+    SPARES_WORKER.close()
+    pid_file = tmp_path / "pid"
+    hanging = tmp_path / "python"
+    hanging.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 600\n")
+    hanging.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(hanging))
+    monkeypatch.setattr(standby_module, "READY_WAIT", 0.5)
+    began = time.monotonic()
+    failure = SPARES_WORKER.run({}, idle=False)
+    assert "did not say it was ready within 0.5 s" in str(failure)
+    assert time.monotonic() - began < 5
+    assert not Path(f"/proc/{pid_file.read_text().strip()}").exists()
+    assert SPARES_WORKER.pid is None
+
+
 def test_a_worker_let_go_while_a_fork_has_it_stopped_exits_at_once(store, xfs):
     prepared_at_first(store, xfs, random.Random(24), 1)
     worker = SPARES_WORKER.pid

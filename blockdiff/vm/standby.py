@@ -65,6 +65,7 @@ import fcntl
 import json
 import os
 import queue
+import select
 import signal
 import subprocess
 import sys
@@ -100,8 +101,10 @@ CAP_SYS_NICE = 23   # its bit in /proc/PID/status's capability sets
 # catalog's statement or transaction before it lets it run on.
 STOP_WAIT = 0.2
 # The spares' worker's first line, once it may be stopped (its parent-death
-# signal set).
+# signal set), and how long (seconds) it may take to say it: an interpreter
+# and numpy started on a loaded machine take a second or two, not a minute.
 WORKER_READY = "ready"
+READY_WAIT = 60.0
 # Nothing written since its snapshot: the in-place restore compares maps only.
 NOTHING_WRITTEN = (np.zeros(0, np.uint64), np.zeros(0, np.uint64))
 
@@ -622,9 +625,16 @@ class SparesWorker:
             # Not ours to stop (see ``pid``) until it says it may be: one
             # stopped before it set its parent-death signal would stay
             # stopped should this process die.
-            if process.stdout.readline() != WORKER_READY + "\n":
+            # Its line comes in one write: a readable pipe has it whole, or
+            # its end.
+            readable, _, _ = select.select([process.stdout], [], [], READY_WAIT)
+            if not readable or process.stdout.readline() != WORKER_READY + "\n":
+                if not readable:    # hung: its requests would hang too
+                    process.kill()
                 self._let_go(process)
-                raise OSError(f"it exited before it was ready ({process.returncode})")
+                raise OSError(f"it exited before it was ready ({process.returncode})"
+                              if readable else
+                              f"it did not say it was ready within {READY_WAIT:g} s")
             with contextlib.suppress(OSError):
                 self._usual = os.getpriority(os.PRIO_PROCESS, process.pid)
             self._process = process
