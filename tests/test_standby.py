@@ -646,17 +646,26 @@ def test_a_worker_that_never_says_it_is_ready_is_killed_and_reported(tmp_path, m
     # One hung before its first line would otherwise hold up the spares'
     # thread, and this process's exit, for good.
     SPARES_WORKER.close()
-    pid_file = tmp_path / "pid"
     hanging = tmp_path / "python"
-    hanging.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 600\n")
+    hanging.write_text("#!/bin/sh\nexec sleep 600\n")
     hanging.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(hanging))
     monkeypatch.setattr(standby_module, "READY_WAIT", 0.5)
+    spawned = []
+    spawn = SPARES_WORKER._spawn
+
+    def spawn_and_keep(*args, **kwargs):
+        spawned.append(spawn(*args, **kwargs))
+        return spawned[-1]
+
+    monkeypatch.setattr(SPARES_WORKER, "_spawn", spawn_and_keep)
     began = time.monotonic()
     failure = SPARES_WORKER.run({}, idle=False)
     assert "did not say it was ready within 0.5 s" in str(failure)
     assert time.monotonic() - began < 5
-    assert not Path(f"/proc/{pid_file.read_text().strip()}").exists()
+    (process,) = spawned
+    assert process.returncode == -signal.SIGKILL      # killed and reaped
+    assert not Path(f"/proc/{process.pid}").exists()
     assert SPARES_WORKER.pid is None
 
 

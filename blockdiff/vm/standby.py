@@ -101,8 +101,9 @@ CAP_SYS_NICE = 23   # its bit in /proc/PID/status's capability sets
 # catalog's statement or transaction before it lets it run on.
 STOP_WAIT = 0.2
 # The spares' worker's first line, once it may be stopped (its parent-death
-# signal set), and how long (seconds) it may take to say it: an interpreter
-# and numpy started on a loaded machine take a second or two, not a minute.
+# signal set), and how long (seconds) it may take to say it: its interpreter
+# and imports took 0.6-0.7 s on two idle cores, and a minute leaves room for
+# a loaded machine.
 WORKER_READY = "ready"
 READY_WAIT = 60.0
 # Nothing written since its snapshot: the in-place restore compares maps only.
