@@ -50,7 +50,9 @@ def looks_like_keywords(target) -> bool:
 
 
 def _decode(text: str) -> str:
-    """libpq's percent-decoding of a URI part (no ``+`` for a space)."""
+    """libpq's percent-decoding of a URI part (no ``+`` for a space; libpq
+    18 drops the spaces around it, as here, and refuses spaces within)."""
+    text = text.strip(" ")
     if _PERCENT.search(text):
         raise ConninfoError("it has a % that does not start a percent-encoded byte")
     raw = bytearray()
@@ -71,10 +73,11 @@ def _decode(text: str) -> str:
 
 
 def _split_uri(url: str):
-    """``(prefix, user, password, hosts_and_path, params)`` of a URI, raw
-    (not decoded); ``hosts_and_path`` is ``[(host, port)], dbname``;
-    ``params`` the raw ``key=value`` pieces of the query. Raises
-    ConninfoError where libpq would refuse the structure."""
+    """``(prefix, user, password, middle, hosts, dbname, params)`` of a URI,
+    raw (not decoded): ``middle`` the text of the hosts and the path,
+    ``hosts`` ``[(host, port)]``, ``params`` the ``key=value`` pieces of the
+    query (None without one). Raises ConninfoError where libpq would refuse
+    the structure."""
     prefix = next(p for p in URI_PREFIXES if url.startswith(p))
     rest = url[len(prefix):]
     user = password = None
@@ -112,7 +115,11 @@ def _split_uri(url: str):
         end = rest.find("?", p)
         end = len(rest) if end < 0 else end
         dbname, p = rest[p + 1:end], end
-    params = rest[p + 1:].split("&") if rest[p:p + 1] == "?" else []
+    params = None
+    if rest[p:p + 1] == "?":
+        # As libpq cuts them: "&" ends a parameter, one at the very end none.
+        query = rest[p + 1:]
+        params = query.removesuffix("&").split("&") if query else []
     return prefix, user, password, rest[:p], hosts, dbname, params
 
 
@@ -183,9 +190,9 @@ def public_url(target: str) -> str:
             # The structure is libpq's error; what comes before the hosts
             # may be a password, what follows may hold one too.
             return next(p for p in URI_PREFIXES if target.startswith(p)) + "..."
-        kept = [piece for piece in params
+        kept = [piece for piece in params or ()
                 if _param_keyword(piece).strip().lower() not in SECRET_KEYWORDS]
-        return (prefix + (f"{user}@" if user else "") + middle
+        return (prefix + (f"{user}@" if user is not None else "") + middle
                 + ("?" + "&".join(kept) if kept else ""))
     if looks_like_keywords(target):
         try:
@@ -204,9 +211,9 @@ def secrets_of(target: str) -> dict[str, str]:
     found = {}
     if is_url(target):
         _, _, password, _, _, _, params = _split_uri(target)
-        if password is not None:
+        if password:        # libpq sets it only if not empty
             found["password"] = _decode(password)
-        for piece in params:
+        for piece in params or ():
             keyword, _, value = piece.partition("=")
             if _decode(keyword) in SECRET_KEYWORDS:
                 found[_decode(keyword)] = _decode(value)
@@ -231,7 +238,7 @@ def scrub(text: str, target: str, extra=()) -> str:
         try:
             _, _, password, _, _, _, params = _split_uri(target)
             secrets += [password or ""] + [
-                piece.partition("=")[2] for piece in params
+                piece.partition("=")[2] for piece in params or ()
                 if _param_keyword(piece).strip().lower() in SECRET_KEYWORDS]
         except ConninfoError:
             pass
@@ -247,6 +254,9 @@ def check_url(url: str) -> None:
     it is stored or any connection is tried."""
     if "\0" in url:
         raise ConninfoError("it has a NUL character")
+    if any(c in url for c in _SPACE):
+        # libpq's versions read them differently (18 drops some, refuses others).
+        raise ConninfoError("it has a space or a line break: percent-encode it (%20)")
     _, user, password, _, hosts, dbname, params = _split_uri(url)
     for part in (user, password, dbname):
         if part is not None:
@@ -256,7 +266,7 @@ def check_url(url: str) -> None:
         _decode(host)
         if port is not None:
             ports.append(_decode(port))
-    for piece in params:
+    for piece in params or ():
         keyword, equals, value = piece.partition("=")
         if not equals or "=" in value:
             raise ConninfoError("a query parameter is not one keyword=value")
@@ -312,7 +322,8 @@ def with_parameter(url: str, keyword: str, value: str) -> str:
     after its own, which are kept as written (libpq's, not re-encoded: a
     ``+`` stays a ``+``); libpq takes the last of a keyword given twice."""
     params = _split_uri(url)[-1]
-    return f"{url}{'&' if params else '?'}{keyword}={urllib.parse.quote(value, safe='/')}"
+    separator = "?" if params is None else "" if url.endswith(("?", "&")) else "&"
+    return f"{url}{separator}{keyword}={urllib.parse.quote(value, safe='/')}"
 
 
 def url_fields(url: str) -> dict[str, str]:
@@ -321,19 +332,20 @@ def url_fields(url: str) -> dict[str, str]:
     joined by commas). Raises ConninfoError if it cannot be read."""
     _, user, password, _, hosts, dbname, params = _split_uri(url)
     fields = {}
-    if user:
+    if user:            # libpq sets these only if not empty, as written
         fields["user"] = _decode(user)
-    if password is not None:
+    if password:
         fields["password"] = _decode(password)
-    names = [_decode(h[1:-1] if h.startswith("[") else h) for h, _ in hosts]
-    if any(names):
-        fields["host"] = ",".join(names)
-    ports = [_decode(p) if p is not None else "" for _, p in hosts]
-    if any(ports):
-        fields["port"] = ",".join(ports)
+    # Joined as libpq joins them, set if the joined text is not empty.
+    names = ",".join(h[1:-1] if h.startswith("[") else h for h, _ in hosts)
+    if names:
+        fields["host"] = _decode(names)
+    ports = ",".join(p or "" for _, p in hosts)
+    if ports:
+        fields["port"] = _decode(ports)
     if dbname:
         fields["dbname"] = _decode(dbname)
-    for piece in params:
+    for piece in params or ():
         keyword, _, value = (_decode(part) for part in piece.partition("="))
         if (keyword, value) == ("ssl", "true"):       # libpq's JDBC spelling
             keyword, value = "sslmode", "require"
