@@ -145,7 +145,7 @@ def _keyword_pairs(conninfo: str):
         if p == n:
             return pairs
         start = p
-        while p < n and conninfo[p] != "=" and not conninfo[p] in _SPACE:
+        while p < n and conninfo[p] != "=" and conninfo[p] not in _SPACE:
             p += 1
         keyword = conninfo[start:p]
         while p < n and conninfo[p] in _SPACE:

@@ -325,7 +325,7 @@ class S3Remote(ObjectBackend):
         except boto_errors.BotoCoreError as e:
             raise RemoteError(f"{self.url}: the object store's configuration does not work "
                               f"({type(e).__name__}: {e}); check AWS_* and ~/.aws/config") from e
-        except ValueError as e:
+        except ValueError:
             # botocore's own check of an endpoint URL (AWS_ENDPOINT_URL) that is
             # not one; its text quotes the URL, which may hold a user's password.
             raise RemoteError(f"{self.url}: the object store's endpoint is not a URL; fix "

@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from blockdiff import native
+from blockdiff.db.conninfo import public_url
 from blockdiff.engine import diff as engine
 from blockdiff.engine.extents import RangeSet
 from blockdiff.errors import (
@@ -74,7 +75,6 @@ from blockdiff.store.shared import (
     open_catalog,
     open_remote,
     read_config,
-    public_url,
     refuse_options,
     write_passfile,
 )
