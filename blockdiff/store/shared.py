@@ -107,6 +107,11 @@ def read_config(root: Path) -> SharedConfig | None:
             raise ValueError("not a JSON object")
         if data.pop("version", None) != 1:
             raise ValueError("an unknown version")
+        if not {"catalog", "host", "name"} <= set(data) <= {"catalog", "host", "name",
+                                                           "cache_size"}:
+            # Not named: a name in the file could be anything.
+            raise ValueError("fields missing, or others than catalog, host, name and "
+                             "cache_size")
         config = SharedConfig(**data)
         if not all(isinstance(v, str) and v and "\0" not in v
                    for v in (config.catalog, config.host, config.name)):
@@ -123,7 +128,7 @@ def read_config(root: Path) -> SharedConfig | None:
                 raise ValueError(f"a catalog URL that cannot be used: {e}") from None
         elif not config.catalog.startswith("/"):
             raise ValueError("a catalog that is neither a database URL nor an absolute path")
-    except (ValueError, TypeError) as e:
+    except ValueError as e:
         raise _damaged(path, str(e)) from None
     return config
 
