@@ -581,6 +581,9 @@ def test_a_catalog_password_in_any_form_is_never_shown_or_stored(
                       (f"postgresql://u:{secret}@[::1/{database}", "IPv6"),
                       (f"postgresql://u:{secret}@127.0.0.1:99999/{database}", "port"),
                       (f"{base}?password={secret}&port=0", "port"),
+                      # A "/" in a password that is not percent-encoded ends
+                      # libpq's host part: the "password" is a port to it.
+                      (f"postgresql://u:{secret}/x@127.0.0.1/{database}", "port"),
                       (f"host=127.0.0.1 password={secret}", "postgresql:// URL")]:
         done = cli("init", xfs / "b", "--catalog", url, check=False)
         assert done.returncode == 2, done.stderr

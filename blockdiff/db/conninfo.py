@@ -25,6 +25,13 @@ import urllib.parse
 
 URI_PREFIXES = ("postgresql://", "postgres://")
 SECRET_KEYWORDS = frozenset({"password", "sslpassword"})
+# The keywords of libpq's that a keyword/value string is most likely to begin
+# with: what tells one from a file's name that has an "=" in it.
+_LIBPQ_KEYWORDS = frozenset({
+    "host", "hostaddr", "port", "dbname", "user", "password", "passfile", "service",
+    "sslmode", "sslpassword", "sslkey", "sslcert", "sslrootcert", "options",
+    "application_name", "connect_timeout", "target_session_attrs", "channel_binding",
+    "gssencmode", "require_auth", "load_balance_hosts", "krbsrvname", "requiressl"})
 # What stands for a connection string that cannot be read, where one is shown.
 UNREADABLE = "(a database connection string that cannot be read)"
 # C isspace(): what libpq skips between keywords and values.
@@ -43,10 +50,18 @@ def is_url(target) -> bool:
     return isinstance(target, str) and target.startswith(URI_PREFIXES)
 
 
+def _keyword_form(target) -> bool:
+    """Whether ``target`` may be a keyword/value string, for scrubbing:
+    whatever begins with a keyword and ``=``."""
+    return isinstance(target, str) and re.match(r"\s*[A-Za-z_]+\s*=", target) is not None
+
+
 def looks_like_keywords(target) -> bool:
     """Whether ``target`` reads as a libpq keyword/value string
-    (``host=db dbname=x``) rather than a file's path."""
-    return isinstance(target, str) and re.match(r"\s*[A-Za-z_]+\s*=", target) is not None
+    (``host=db dbname=x``: it begins with a libpq keyword) rather than a
+    file's path."""
+    found = isinstance(target, str) and re.match(r"\s*([A-Za-z_]+)\s*=", target)
+    return bool(found) and found.group(1) in _LIBPQ_KEYWORDS
 
 
 def _decode(text: str) -> str:
@@ -194,7 +209,7 @@ def public_url(target: str) -> str:
                 if _param_keyword(piece).strip().lower() not in SECRET_KEYWORDS]
         return (prefix + (f"{user}@" if user is not None else "") + middle
                 + ("?" + "&".join(kept) if kept else ""))
-    if looks_like_keywords(target):
+    if _keyword_form(target):
         try:
             pairs = _keyword_pairs(target)
         except ConninfoError:
@@ -217,7 +232,7 @@ def secrets_of(target: str) -> dict[str, str]:
             keyword, _, value = piece.partition("=")
             if _decode(keyword) in SECRET_KEYWORDS:
                 found[_decode(keyword)] = _decode(value)
-    elif looks_like_keywords(target):
+    elif _keyword_form(target):
         found = {k: v for k, v, _ in _keyword_pairs(target) if k in SECRET_KEYWORDS}
     return found
 
@@ -275,7 +290,15 @@ def check_url(url: str) -> None:
         _decode(value)
     for port in ports:
         if port and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
-            raise ConninfoError(f"{port[:12]!r} is not a port number (1 to 65535)")
+            raise ConninfoError("a port is not a number from 1 to 65535")
+
+
+def refusal(url: str, error: ConninfoError) -> str:
+    """The message refusing ``url`` for ``error``. The URL is shown by its
+    scheme only: libpq did not read it, so a part it would not take for a
+    password may still be the one its writer meant (``user:pa/ss@host``)."""
+    scheme = next((p for p in URI_PREFIXES if url.startswith(p)), "")
+    return f"the database URL {scheme}... cannot be used: {error}"
 
 
 def passfile_lines(url: str, password: str) -> list[str]:

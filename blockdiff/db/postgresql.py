@@ -51,7 +51,7 @@ import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from blockdiff.db.conninfo import ConninfoError, check_url, public_url, scrub
+from blockdiff.db.conninfo import ConninfoError, check_url, public_url, refusal, scrub
 from blockdiff.db.protocol import ReadRows
 from blockdiff.errors import ConstraintFailed, DatabaseError, UsageError
 
@@ -113,8 +113,7 @@ def open_postgresql(url: str, *, schema: str | None = None,
     try:
         check_url(url)
     except ConninfoError as e:
-        raise UsageError(f"{public_url(url)} is not a database URL blockdiff can use: "
-                         f"{e}") from None
+        raise UsageError(refusal(url, e)) from None
     if schema is not None and not _SCHEMA_NAME.fullmatch(schema):
         raise UsageError(f"{schema!r} is not a schema name blockdiff uses: lower-case letters, "
                          f"digits and _, at most 63, not starting with a digit")

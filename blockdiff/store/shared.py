@@ -55,6 +55,7 @@ from blockdiff.db.conninfo import (
     looks_like_keywords,
     passfile_lines,
     public_url,
+    refusal,
     secrets_of,
     with_parameter,
 )
@@ -151,12 +152,12 @@ def catalog_target(target: str) -> tuple[str, str | None]:
                              "connection string is not taken: it would be taken for a "
                              "SQLite file's name)")
         return str(Path(target).absolute()), None
-    public = public_url(target)
     try:
         check_url(target)
         secrets = secrets_of(target)
     except ConninfoError as e:
-        raise UsageError(f"{public} is not a database URL blockdiff can use: {e}") from None
+        raise UsageError(refusal(target, e)) from None
+    public = public_url(target)
     if "sslpassword" in secrets:
         raise UsageError(f"{public}: blockdiff does not keep an sslpassword, which libpq "
                          f"reads only from the connection string; name a connection "
