@@ -1,4 +1,5 @@
-"""Fuzzing the store's parsers: export files and their records, map files.
+"""Fuzzing the store's parsers: export files and their records, map files,
+a shared store's configuration (shared.json) and the catalog URLs in it.
 
 Bounded budgets (hypothesis), so they run in every test run; the crafted
 files in tests/corpus/export/ are replayed each time too. The only outcomes
@@ -22,8 +23,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from blockdiff.errors import BlockdiffError
+from blockdiff.db.conninfo import (
+    SECRET_KEYWORDS,
+    ConninfoError,
+    check_url,
+    public_url,
+    secrets_of,
+    url_fields,
+)
+from blockdiff.errors import BlockdiffError, Damaged
 from blockdiff.store.maps import MAP_ERRORS, SnapshotMap, decode_map, encode_map
+from blockdiff.store.shared import SharedConfig, read_config
 from blockdiff.store.store import Store
 from blockdiff.store.transfer import EXPORT_MAGIC, read_export_record
 
@@ -199,3 +209,83 @@ def test_export_corpus(path, exported):
     assert len(proc.stderr.strip().splitlines()) == 1
     assert list((target / "objects").iterdir()) == []
     assert os.listdir(target / "staging") == []
+
+
+# Pieces of PostgreSQL URIs, every character libpq gives a meaning to among them.
+_URI_PIECES = st.lists(st.sampled_from(
+    ["a", "B", "7", ":", "@", "/", "?", "#", "&", "=", "%", "%41", "%2F", "%3D", "%26", "[",
+     "]", "::1", ",", "+", " ", "\\", "'", "password", "pass%77ord", "sslpassword", "host",
+     "port", "user", "dbname", "5432", "99999", "%00", "%ff"]), max_size=24).map("".join)
+_KEYWORDS = ["host", "port", "dbname", "user", "password", "sslpassword", "sslmode",
+             "application_name"]
+
+
+def _libpq(conninfo: str) -> dict | None:
+    """What libpq reads of ``conninfo`` (None if it refuses it)."""
+    psycopg = pytest.importorskip("psycopg")
+    try:
+        return psycopg.conninfo.conninfo_to_dict(conninfo)
+    except (psycopg.ProgrammingError, UnicodeDecodeError):   # psycopg: not UTF-8
+        return None
+
+
+def _shown_as_libpq_reads_it(conninfo: str) -> None:
+    """The scrubbed form of ``conninfo`` is what libpq reads of it but its
+    secrets, and the secrets found are those libpq reads."""
+    read = _libpq(conninfo)
+    shown = public_url(conninfo)
+    if read is None:
+        return
+    secrets = {k: v for k, v in read.items() if k in SECRET_KEYWORDS}
+    assert secrets_of(conninfo) == secrets
+    assert _libpq(shown) == {k: v for k, v in read.items() if k not in SECRET_KEYWORDS}
+
+
+@settings(max_examples=400, deadline=None)
+@given(prefix=st.sampled_from(["postgresql://", "postgres://"]), rest=_URI_PIECES)
+def test_a_catalog_uri_is_scrubbed_and_checked_as_libpq_reads_it(prefix, rest):
+    url = prefix + rest
+    try:
+        check_url(url)
+    except ConninfoError as e:
+        assert "\n" not in str(e)
+    _shown_as_libpq_reads_it(url)
+    read = _libpq(url)
+    if read is not None:
+        assert url_fields(url) == read
+
+
+@settings(max_examples=300, deadline=None)
+@given(pairs=st.lists(st.tuples(st.sampled_from(_KEYWORDS), st.text(
+    st.sampled_from("a7 '\\=:@"), max_size=8), st.booleans()), max_size=5))
+def test_a_keyword_value_string_is_scrubbed_as_libpq_reads_it(pairs):
+    def value(text, quoted):
+        escaped = text.replace("\\", "\\\\").replace("'", "\\'")
+        return f"'{escaped}'" if quoted or not text or " " in text else escaped
+    _shown_as_libpq_reads_it(" ".join(f"{k}={value(v, q)}" for k, v, q in pairs))
+
+
+_GOOD_CONFIG = {"version": 1, "catalog": "postgresql://u@db:5432/cat", "host": "0" * 16,
+                "name": "h:/srv/store", "cache_size": None}
+
+
+@FUZZ
+@given(content=st.one_of(
+    st.binary(max_size=200),
+    json_values.map(lambda v: json.dumps(v).encode()),
+    st.dictionaries(st.sampled_from(sorted(_GOOD_CONFIG)), json_values | _URI_PIECES,
+                    max_size=3).map(lambda c: json.dumps({**_GOOD_CONFIG, **c}).encode()),
+    _URI_PIECES.map(lambda u: json.dumps({**_GOOD_CONFIG,
+                                          "catalog": "postgresql://" + u}).encode()),
+    st.integers(1, 100_000).map(lambda n: b"[" * n + b"]" * n),
+    st.integers(1, 100_000).map(lambda n: b'{"a":' * n + b"1" + b"}" * n)))
+def test_any_shared_json_is_read_or_refused_as_damaged(content):
+    with tempfile.TemporaryDirectory() as root:
+        Path(root, "shared.json").write_bytes(content)
+        try:
+            config = read_config(Path(root))
+        except Damaged as e:
+            assert "\n" not in str(e) and "shared.json is damaged" in str(e)
+        else:
+            assert isinstance(config, SharedConfig)
+            assert isinstance(config.catalog, str) and config.catalog.encode()

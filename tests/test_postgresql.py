@@ -392,6 +392,13 @@ def test_public_url_drops_every_password():
         "postgres://db.example/cat?sslmode=require"
     assert public_url("postgresql:///cat") == "postgresql:///cat"
     assert public_url("postgresql://ann:p%40ss@h/c") == "postgresql://ann@h/c"
+    # Cut where libpq cuts: a "?" or "#" before the first "@" is the password's,
+    # a query's name may be percent-encoded, and a keyword/value string too.
+    assert public_url("postgresql://ann:s?cr#t@h/c") == "postgresql://ann@h/c"
+    assert public_url("postgresql://h/c?pass%77ord=s3cret&sslpassword=k+y&x=a+b") == \
+        "postgresql://h/c?x=a+b"
+    assert public_url("host=h password='s3 cret' sslpassword=k user=ann") == "host=h user=ann"
+    assert public_url("postgresql://ann:s3cret@[::1/c") == "postgresql://..."
 
 
 def test_open_database_tells_the_kinds_apart(tmp_path, postgres_url):

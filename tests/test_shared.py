@@ -528,3 +528,165 @@ def test_fetching_restores_beside_a_host_evicting_and_sweeping(hosts, xfs, host_
         _, err = evictor.communicate()
     assert evictor.returncode == 0, err
     assert b.verify() == {}
+
+
+def _grant_password_role(postgres_server, postgres_url) -> str:
+    """The database of ``postgres_url``, opened to the password role."""
+    database = postgres_url.rsplit("/", 1)[1]
+    admin = postgres_server.admin()
+    try:
+        admin.execute(f'GRANT ALL ON DATABASE "{database}" TO {postgres.PASSWORD_ROLE}')
+    finally:
+        admin.close()
+    return database
+
+
+def _files_hold(root: Path, secret: str, *, but=()) -> list[str]:
+    """The files under ``root`` (but those named ``but``) whose bytes hold ``secret``."""
+    return [str(p) for p in root.rglob("*") if p.is_file() and p.name not in but
+            and secret.encode() in p.read_bytes()]
+
+
+def test_a_catalog_password_in_any_form_is_never_shown_or_stored(
+        xfs, tmp_path, bucket_url, postgres_server, postgres_url, monkeypatch):
+    """libpq takes a password from the URL's user information and from the
+    ``password`` query parameter (its name percent-encoded or not): none of
+    them reaches init's output, shared.json, log --json or an error, and
+    the passfile lets every later command in."""
+    database = _grant_password_role(postgres_server, postgres_url)
+    monkeypatch.setenv("PGPASSFILE", str(tmp_path / "no-pgpass"))   # only the store's
+    monkeypatch.delenv("PGPASSWORD", raising=False)
+    secret = postgres_server.password
+    base = f"postgresql://{postgres.PASSWORD_ROLE}@127.0.0.1:{postgres_server.port}/{database}"
+    wrong = f"postgresql://{postgres.PASSWORD_ROLE}:not-it@127.0.0.1:{postgres_server.port}"
+    forms = [f"{base}?password={secret}",
+             f"{base}?sslmode=disable&pass%77ord={secret}&application_name=x",
+             # The query's password wins over the user information's, as in libpq.
+             f"{wrong}/{database}?password={secret}"]
+    for n, url in enumerate(forms):
+        root = xfs / f"a{n}"
+        done = cli("init", root, "--catalog", url, *(["--remote", bucket_url] if n == 0 else []))
+        assert secret not in done.stdout + done.stderr
+        assert "not-it" not in done.stdout + done.stderr
+        assert _files_hold(root, secret, but={"catalog.pgpass"}) == []
+        config = json.loads((root / "shared.json").read_text())
+        assert "password=" not in config["catalog"] and "%77ord" not in config["catalog"]
+        assert "not-it" not in config["catalog"]
+        listed = cli("log", "--store", root, "--json")
+        assert secret not in listed.stdout + listed.stderr
+    # Refused, and the error says nothing of the secret: an sslpassword
+    # (libpq reads it from the connection string only), and URLs libpq
+    # cannot read (its own message quotes the URL whole).
+    for url, text in [(f"{base}?sslpassword={secret}", "sslpassword"),
+                      (f"postgresql://u:{secret}@[::1/{database}", "IPv6"),
+                      (f"postgresql://u:{secret}@127.0.0.1:99999/{database}", "port"),
+                      (f"{base}?password={secret}&port=0", "port"),
+                      # A "/" in a password that is not percent-encoded ends
+                      # libpq's host part: the "password" is a port to it.
+                      (f"postgresql://u:{secret}/x@127.0.0.1/{database}", "port"),
+                      (f"host=127.0.0.1 password={secret}", "postgresql:// URL")]:
+        done = cli("init", xfs / "b", "--catalog", url, check=False)
+        assert done.returncode == 2, done.stderr
+        assert text in done.stderr and secret not in done.stdout + done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+        assert not (xfs / "b").exists() and not Path(url).exists()
+
+
+def test_malformed_ports_and_addresses_at_init_are_one_line(xfs, tmp_path, postgres_url,
+                                                            bucket_url, s3_env, monkeypatch):
+    """A port out of range or not a number, or an IPv6 address without its
+    bracket, in the catalog's URL, the object store's or its endpoint: one
+    line, the status of the error table, nothing made."""
+    made = xfs / "nope"
+    host = f"127.0.0.1:{postgres_url.rsplit(':', 1)[1].split('/')[0]}"
+    cases = [(["--catalog", "postgresql://postgres:pw@127.0.0.1:99999/x"], 2),
+             (["--catalog", "postgresql://postgres:pw@127.0.0.1:port/x"], 2),
+             (["--catalog", "postgresql://postgres@127.0.0.1:70000/x"], 2),
+             (["--catalog", "postgresql://postgres:pw@[::1/x"], 2),
+             (["--catalog", "postgresql://postgres@[::1/x?password=pw"], 2),
+             (["--catalog", f"postgresql://postgres@{host}/x?port=99999"], 2),
+             (["--catalog", postgres_url, "--remote", f"s3://{s3_env.bucket}:99999/x"], 14),
+             (["--catalog", postgres_url, "--remote", f"s3://{s3_env.bucket}:abc/x"], 14),
+             (["--catalog", postgres_url, "--remote", "s3://[::1/x"], 14),
+             (["--catalog", postgres_url, "--remote", "s3://[::1]/x"], 14)]
+    for args, status in cases:
+        done = cli("init", made, *args, check=False)
+        assert done.returncode == status, (args, done.stderr)
+        assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+        assert "pw" not in done.stderr.replace("postgresql://postgres", "")
+        assert not made.exists()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://u:pw@[::1")
+    done = cli("init", made, "--catalog", postgres_url, "--remote", bucket_url, check=False)
+    assert done.returncode == 14 and "AWS_ENDPOINT_URL" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and ":pw@" not in done.stderr
+    assert not made.exists()
+
+
+@pytest.mark.parametrize("catalog", ["sqlite"], indirect=True)
+def test_a_damaged_shared_json_is_one_line_and_never_hangs(xfs, catalog, bucket_url, tmp_path):
+    """shared.json is read as every small file is: bounded, UTF-8 JSON of
+    bounded depth, a regular file (a link to /dev/zero or a FIFO is refused,
+    not read until the end of time), every field checked."""
+    root = xfs / "store"
+    Store.init(root, catalog=catalog, remote=bucket_url).close()
+    config = root / "shared.json"
+    good = json.loads(config.read_text())
+    damages = {
+        "not UTF-8": b'{"version": 1, "catalog": "\xff\xfe"}',
+        "nested": b"[" * 200_000 + b"]" * 200_000,
+        "nested in the limit": b'{"a": ' * 1000 + b"1" + b"}" * 1000,
+        "a lone surrogate": json.dumps({**good, "name": "\ud800"}).encode(),
+        "an IPv6 URL without its bracket":
+            json.dumps({**good, "catalog": "postgresql://u@[::1/db"}).encode(),
+        "a port out of range": json.dumps({**good, "catalog": "postgresql://u@h:99999/d"}).encode(),
+        "a relative catalog": json.dumps({**good, "catalog": "cat.sqlite"}).encode(),
+        "a host id that is not one": json.dumps({**good, "host": "../../x"}).encode(),
+        "not an object": b"[1, 2]",
+        "empty": b"",
+    }
+    for what, data in [*damages.items(), ("a link to /dev/zero", None), ("a FIFO", None)]:
+        config.unlink()
+        if what == "a link to /dev/zero":
+            config.symlink_to("/dev/zero")
+        elif what == "a FIFO":
+            os.mkfifo(config, 0o600)
+        else:
+            config.write_bytes(data)
+        done = subprocess.run([sys.executable, "-m", "blockdiff", "log", "--store", str(root)],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 7, (what, done.stderr)
+        assert "shared.json is damaged" in done.stderr and "Traceback" not in done.stderr, what
+        assert len(done.stderr.strip().splitlines()) == 1, what
+    config.unlink()
+    config.write_text(json.dumps(good))
+    cli("log", "--store", root)
+
+
+def test_a_unix_socket_catalog_with_a_password_joins_and_connects(
+        xfs, tmp_path, bucket_url, postgres_server, postgres_url, monkeypatch):
+    """A catalog reached over the server's unix socket, its directory
+    percent-encoded in the URL's host (and with capitals in its path): the
+    passfile names the directory as libpq matches it, decoded and with its
+    case kept, so init and every later command connect, as psql does."""
+    database = _grant_password_role(postgres_server, postgres_url)
+    monkeypatch.setenv("PGPASSFILE", str(tmp_path / "no-pgpass"))
+    monkeypatch.delenv("PGPASSWORD", raising=False)
+    sockets = tmp_path / "PgSocket"
+    sockets.symlink_to(postgres_server.directory)
+    encoded = str(sockets).replace("/", "%2F")
+    secret = postgres_server.password
+    for n, url in enumerate([
+            f"postgresql://{postgres.PASSWORD_ROLE}:{secret}@{encoded}:{postgres_server.port}"
+            f"/{database}",
+            f"postgresql:///{database}?host={encoded}&port={postgres_server.port}"
+            f"&user={postgres.PASSWORD_ROLE}&password={secret}"]):
+        root = xfs / f"a{n}"
+        done = cli("init", root, "--catalog", url, *(["--remote", bucket_url] if n == 0 else []))
+        assert secret not in done.stdout + done.stderr
+        assert _files_hold(root, secret, but={"catalog.pgpass"}) == []
+        assert cli("log", "--store", root).returncode == 0
+    with Store(xfs / "a0") as a, Store(xfs / "a1") as b:
+        image, keep, rng = start_line(xfs, tmp_path, 13)
+        sid = commit_line(a, image, keep, rng, 1)[0]
+        b.restore(sid, xfs / "x.img")
+        assert filecmp.cmp(xfs / "x.img", keep / sid, shallow=False)

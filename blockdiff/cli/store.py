@@ -51,7 +51,8 @@ def _removal_dict(result, *, dry_run: bool) -> dict:
               help="Let this group read the store too (it is private to its owner otherwise).")
 @click.option("--catalog", metavar="URL",
               help="Join a store shared by several hosts: its catalog (postgresql://...; or a "
-                   "SQLite file, for stores on one machine). The first host makes it.")
+                   "SQLite file, for stores on one machine). The first host makes it. A "
+                   "password in the URL is kept in a private passfile, never shown.")
 @click.option("--remote", metavar="s3://BUCKET/PREFIX",
               help="The shared store's object store (the first host names it; the endpoint "
                    "and credentials come from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...).")
@@ -70,6 +71,7 @@ def init(directory, allow_copy, group, catalog, remote, cache_size):
       blockdiff init /srv/store --catalog postgresql://blockdiff@db/blockdiff \\
           --remote s3://sandboxes/store
     """
+    from blockdiff.db import public_url
     from blockdiff.store.store import Store
 
     with Store.init(directory, allow_copy=allow_copy, group=group, catalog=catalog,
@@ -78,7 +80,7 @@ def init(directory, allow_copy, group, catalog, remote, cache_size):
             click.echo(f"initialised store {directory}")
         else:
             click.echo(f"initialised store {directory}, a host of the shared store at "
-                       f"{printable(store.shared.catalog)} (objects in "
+                       f"{printable(public_url(store.shared.catalog))} (objects in "
                        f"{printable(store.catalog.setting('remote'))})")
 
 

@@ -22,7 +22,8 @@ options and ignores the other's (:func:`open_database` says which).
   if missing). The three users each take a schema of their own (their
   migration group's name: ``catalog``, ``agent``, ``langgraph``), since the
   agent records and the LangGraph checkpoints both have a ``checkpoints``
-  table. :func:`public_url` is a URL without its password, for display.
+  table. :func:`public_url` is a URL without its secrets, for display and storage
+  (:mod:`blockdiff.db.conninfo`).
 
 One connection per process is shared by its threads: ``db.lock``
 (reentrant) is held by every transaction and every statement, whose rows
@@ -121,8 +122,9 @@ from __future__ import annotations
 
 import os
 
+from blockdiff.db.conninfo import is_url, public_url
 from blockdiff.db.migrations import Migrations, migrate, schema_version
-from blockdiff.db.postgresql import PostgreSQLDatabase, is_url, open_postgresql, public_url
+from blockdiff.db.postgresql import PostgreSQLDatabase, open_postgresql
 from blockdiff.db.protocol import Database, Rows, damaged
 from blockdiff.db.sqlite import SQLiteDatabase, connect, create_private
 

@@ -27,9 +27,10 @@ Where it differs from SQLite, and why:
   applied). Inside a transaction the loss raises ``DatabaseError`` and the
   transaction is gone: nothing of it was committed (unless the loss came
   during COMMIT, which the message says).
-- Secrets. :attr:`~PostgreSQLDatabase.name` is the URL without its password
-  (:func:`public_url`); every message is scrubbed of the password, whatever
-  libpq put in it.
+- Secrets. :attr:`~PostgreSQLDatabase.name` is the URL without its secrets
+  (:func:`~blockdiff.db.conninfo.public_url`); every message is scrubbed of
+  the URL and its secrets (:func:`~blockdiff.db.conninfo.scrub`), whatever
+  libpq put in it (its errors quote a URL it cannot read whole).
 - Text is compared byte by byte. Every TEXT column of blockdiff's
   PostgreSQL DDL is ``COLLATE "C"``, SQLite's BINARY order, whatever the
   database's locale. Text cannot hold NUL characters (a ``DatabaseError``),
@@ -49,8 +50,8 @@ import time
 import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
+from blockdiff.db.conninfo import ConninfoError, check_url, public_url, refusal, scrub
 from blockdiff.db.protocol import ReadRows
 from blockdiff.errors import ConstraintFailed, DatabaseError, UsageError
 
@@ -64,11 +65,9 @@ CONNECT_TIMEOUT = 10
 # Seconds a statement waits for a lock another connection holds (the
 # advisory lock of a transaction, a row) before DatabaseError, as SQLite's.
 LOCK_TIMEOUT = 60.0
-URL_SCHEMES = ("postgresql", "postgres")
 # The first half of every advisory lock key blockdiff takes ("bdif"): keeps
 # them apart from other programs' locks on the same database.
 _LOCK_CLASS = 0x62646966
-_SECRET_PARAMETERS = ("password", "sslpassword")
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 # A server that vanished without closing the connection (a partition, a host
 # that died) is noticed within about a minute instead of never: TCP
@@ -85,38 +84,10 @@ _READ = re.compile(r"\s*(SELECT|WITH)\b", re.IGNORECASE)
 _CHANGE = re.compile(r"\b(INSERT|UPDATE|DELETE|MERGE)\b", re.IGNORECASE)
 
 
-def is_url(target) -> bool:
-    """Whether ``target`` names a PostgreSQL database (``postgresql://``,
-    ``postgres://``) rather than a SQLite file."""
-    return isinstance(target, str) and urlsplit(target).scheme in URL_SCHEMES
-
-
-def public_url(url: str) -> str:
-    """``url`` as it may be shown: without its password (in the authority or
-    the query), ``postgresql://user@host:port/database``."""
-    parts = urlsplit(url)
-    netloc = parts.netloc.rpartition("@")
-    user = netloc[0].partition(":")[0]
-    netloc = f"{user}@{netloc[2]}" if netloc[1] else netloc[2]
-    query = urlencode([(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True)
-                       if k not in _SECRET_PARAMETERS])
-    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
-
-
 def _secrets_of(url: str) -> list[str]:
-    """The passwords a message about ``url`` must never show: the URL's (as
-    written and decoded), its query's, the environment's."""
-    parts = urlsplit(url)
-    found = []
-    userinfo = parts.netloc.rpartition("@")[0]
-    if ":" in userinfo:
-        found.append(userinfo.partition(":")[2])
-    found += [v for k, v in parse_qsl(parts.query, keep_blank_values=True)
-              if k in _SECRET_PARAMETERS]
-    found += [os.environ.get(name, "") for name in ("PGPASSWORD", "PGSSLPASSWORD")]
-    found += [unquote(s) for s in found]
-    # The longest first, so that a secret containing another goes whole.
-    return sorted({s for s in found if s}, key=len, reverse=True)
+    """Secrets a message about ``url`` must never show besides the URL's
+    own (:func:`~blockdiff.db.conninfo.scrub` finds those): the environment's."""
+    return [os.environ.get(name, "") for name in ("PGPASSWORD", "PGSSLPASSWORD")]
 
 
 @functools.lru_cache(maxsize=2048)
@@ -139,6 +110,10 @@ def open_postgresql(url: str, *, schema: str | None = None,
     if psycopg is None:
         raise DatabaseError(f"cannot open {public_url(url)}: psycopg is not installed "
                             f"(pip install 'blockdiff[shared]')")
+    try:
+        check_url(url)
+    except ConninfoError as e:
+        raise UsageError(refusal(url, e)) from None
     if schema is not None and not _SCHEMA_NAME.fullmatch(schema):
         raise UsageError(f"{schema!r} is not a schema name blockdiff uses: lower-case letters, "
                          f"digits and _, at most 63, not starting with a digit")
@@ -234,9 +209,7 @@ class PostgreSQLDatabase:
 
     def _one_line(self, error) -> str:
         """psycopg's message, on one line, without any secret."""
-        text = str(error)
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
+        text = scrub(str(error), self._url, self._secrets)
         text = text.removeprefix("connection failed: ")
         return " ".join(text.split()).rstrip(".")
 

@@ -1,16 +1,90 @@
-"""Files written whole or not at all, and whole-file reflinks with a copy as
-the fallback: what every layer that writes a result shares."""
+"""Files written whole or not at all, whole-file reflinks with a copy as
+the fallback, and small files read within bounds: what every layer that
+writes a result or reads a configuration shares."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
+import re
+import stat
 
 from blockdiff import native
 
 # Errors that mean "these two files cannot share extents": copy instead.
 _NO_REFLINK = {errno.EXDEV, errno.EOPNOTSUPP, errno.ENOTTY, errno.EINVAL, errno.ENOSYS}
+
+
+class UnreadableFile(ValueError):
+    """A small file that is not what it should be: not a regular file (a
+    symbolic link, a device, a FIFO), too large, not UTF-8, not JSON, or
+    nested too deeply. The message says which, without the path."""
+
+
+# Nesting a small file's JSON may have: far below the parser's recursion limit.
+JSON_DEPTH = 32
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def read_small_file(path: str | os.PathLike, limit: int) -> bytes:
+    """The bytes of the regular file ``path``, refused (UnreadableFile) if
+    it is a symbolic link (not followed), not a regular file (a FIFO or a
+    device is never waited on or read without end) or larger than
+    ``limit``; at most ``limit + 1`` bytes are read. A missing file is
+    FileNotFoundError; other OSErrors pass."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnreadableFile("it is a symbolic link") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnreadableFile("it is not a regular file")
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise UnreadableFile(f"it is larger than {limit} bytes")
+    return b"".join(chunks)
+
+
+def read_json_file(path: str | os.PathLike, limit: int, depth: int = JSON_DEPTH):
+    """The JSON value of the small file ``path`` (:func:`read_small_file`),
+    refused (UnreadableFile) unless it is UTF-8 JSON nested at most
+    ``depth`` deep, with no string a lone surrogate would make unprintable."""
+    raw = read_small_file(path, limit)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UnreadableFile("it is not UTF-8 text") from None
+    # Bound the nesting before parsing: a deep one would reach Python's
+    # recursion limit, in the parser or in whoever walks the value.
+    level = deepest = 0
+    for c in _BRACKET.findall(_JSON_STRING.sub("", text)):
+        level += 1 if c in "[{" else -1
+        deepest = max(deepest, level)
+    if deepest > depth:
+        raise UnreadableFile(f"it is nested more than {depth} deep")
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise UnreadableFile(f"it is not JSON ({getattr(e, 'msg', type(e).__name__)})") \
+            from None
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise UnreadableFile("it holds a string that is not Unicode text") from None
+    return value
 
 
 @contextlib.contextmanager

@@ -263,10 +263,16 @@ class ObjectBackend(abc.ABC):
 def parse_url(url: str) -> tuple[str, str]:
     """``(bucket, prefix)`` of ``s3://BUCKET/PREFIX`` (the prefix may be
     empty; it has no leading or trailing slash)."""
-    parts = urllib.parse.urlsplit(url)
-    if (parts.scheme != "s3" or not parts.hostname or parts.query or parts.fragment
-            or "@" in parts.netloc or parts.port is not None):
-        raise RemoteError(f"{url!r} is not an object store URL: give s3://BUCKET/PREFIX")
+    refused = RemoteError(f"{url!r} is not an object store URL: give s3://BUCKET/PREFIX")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        # A bucket is a name: no port (a malformed one raises here), no
+        # user information, no IPv6 address (a malformed one raised above).
+        if (parts.scheme != "s3" or not parts.hostname or parts.query or parts.fragment
+                or "@" in parts.netloc or parts.port is not None or "[" in parts.netloc):
+            raise refused
+    except ValueError:
+        raise refused from None
     return parts.netloc, parts.path.strip("/")
 
 
@@ -319,6 +325,11 @@ class S3Remote(ObjectBackend):
         except boto_errors.BotoCoreError as e:
             raise RemoteError(f"{self.url}: the object store's configuration does not work "
                               f"({type(e).__name__}: {e}); check AWS_* and ~/.aws/config") from e
+        except ValueError:
+            # botocore's own check of an endpoint URL (AWS_ENDPOINT_URL) that is
+            # not one; its text quotes the URL, which may hold a user's password.
+            raise RemoteError(f"{self.url}: the object store's endpoint is not a URL; fix "
+                              f"AWS_ENDPOINT_URL (or endpoint_url in ~/.aws/config)") from None
         self.endpoint = _public(self._client.meta.endpoint_url)
         # Until the server says it does not know If-None-Match.
         self._conditional = True
@@ -654,4 +665,7 @@ class S3Remote(ObjectBackend):
             return RemoteError(f"{where}: the connection to the object store at "
                                f"{self.endpoint} broke off ({type(error).__name__}); retry "
                                f"when it is back")
-        return RemoteError(f"{where}: {type(error).__name__}: {error}")
+        # botocore's text may quote the endpoint URL as configured, user
+        # information and all: only its public form is shown.
+        text = str(error).replace(self._client.meta.endpoint_url, self.endpoint)
+        return RemoteError(f"{where}: {type(error).__name__}: {text}")

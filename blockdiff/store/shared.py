@@ -12,12 +12,18 @@ layer it uses, and *durable* once all of those are in the object store: from
 then on any host can restore it, fetching what it lacks.
 
 The host's directory says where the shared parts are in ``STORE/shared.json``
-(private to the owner): the catalog's URL without any password in it (or a
+(private to the owner): the catalog's URL without any secret in it (or a
 SQLite file's path, for stores on one machine), this host's id in the
-catalog and its name. A password given in the URL at ``init`` goes to
-``STORE/catalog.pgpass`` (0600, libpq's passfile format) rather than into
+catalog and its name. A password given in the URL at ``init`` (in its user
+information or as ``?password=``) goes to ``STORE/catalog.pgpass`` (0600,
+libpq's passfile format, matching the host as libpq does) rather than into
 the JSON, so it is never printed with the configuration; credentials may
-equally come from libpq's environment (``PGPASSWORD``, ``~/.pgpass``). The
+equally come from libpq's environment (``PGPASSWORD``, ``~/.pgpass``). What
+is stored and shown of a URL is what :func:`blockdiff.db.public_url` keeps.
+``shared.json`` is read like every small file blockdiff reads: a regular
+file (never a link followed or a device read), at most
+:data:`CONFIG_LIMIT` bytes of UTF-8 JSON, every field checked; anything
+else is ``Damaged``. The
 object store's URL (``s3://BUCKET/PREFIX``) is a setting of the shared
 catalog, the same for every host; its endpoint and credentials come from
 the standard places boto3 reads (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``
@@ -36,13 +42,25 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import time
-import urllib.parse
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from blockdiff.errors import ConstraintFailed, StoreError, UsageError
+from blockdiff.db.conninfo import (
+    ConninfoError,
+    check_url,
+    is_url,
+    looks_like_keywords,
+    passfile_lines,
+    public_url,
+    refusal,
+    secrets_of,
+    with_parameter,
+)
+from blockdiff.engine.files import UnreadableFile, read_json_file
+from blockdiff.errors import ConstraintFailed, Damaged, StoreError, UsageError
 from blockdiff.store.catalog import Catalog, Snapshot
 from blockdiff.store.layers import file_identity
 from blockdiff.store.objects import ObjectFiles, StoreLock, fsync_dir
@@ -50,7 +68,9 @@ from blockdiff.store.objects import ObjectFiles, StoreLock, fsync_dir
 SHARED_FILE = "shared.json"
 PASSFILE = "catalog.pgpass"
 REMOTE_SETTING = "remote"
-URL_SCHEMES = ("postgresql", "postgres")
+# Bytes a shared.json may have: a few hundred in practice.
+CONFIG_LIMIT = 64 * 1024
+_HOST_ID = re.compile(r"[0-9a-f]{16}")
 
 
 @dataclass(frozen=True)
@@ -74,60 +94,89 @@ class SharedConfig:
 
 
 def read_config(root: Path) -> SharedConfig | None:
-    """The store's shared configuration, or None for a store of one host."""
+    """The store's shared configuration, or None for a store of one host;
+    Damaged if the file is not one this module wrote (see the module's notes)."""
     path = root / SHARED_FILE
     try:
-        raw = path.read_text()
+        data = read_json_file(path, CONFIG_LIMIT)
     except FileNotFoundError:
         return None
+    except UnreadableFile as e:
+        raise _damaged(path, str(e)) from None
     try:
-        data = json.loads(raw)
-        if data.pop("version") != 1:
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        if data.pop("version", None) != 1:
             raise ValueError("an unknown version")
+        if not {"catalog", "host", "name"} <= set(data) <= {"catalog", "host", "name",
+                                                           "cache_size"}:
+            # Not named: a name in the file could be anything.
+            raise ValueError("fields missing, or others than catalog, host, name and "
+                             "cache_size")
         config = SharedConfig(**data)
-        if not all(isinstance(v, str) and v for v in (config.catalog, config.host,
-                                                        config.name)):
-            raise ValueError("empty fields")
+        if not all(isinstance(v, str) and v and "\0" not in v
+                   for v in (config.catalog, config.host, config.name)):
+            raise ValueError("fields that are empty or hold a NUL character")
+        if not _HOST_ID.fullmatch(config.host):
+            raise ValueError("a host id that is not 16 hex digits")
         if config.cache_size is not None and (type(config.cache_size) is not int
                                               or config.cache_size < 0):
             raise ValueError("a cache size that is not a number of bytes")
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise StoreError(f"{path} is damaged ({e}); it says where the shared catalog is: "
-                         f"write it again, or join the store anew with blockdiff init") from None
+        if is_url(config.catalog):
+            try:
+                check_url(config.catalog)
+            except ConninfoError as e:
+                raise ValueError(f"a catalog URL that cannot be used: {e}") from None
+        elif not config.catalog.startswith("/"):
+            raise ValueError("a catalog that is neither a database URL nor an absolute path")
+    except ValueError as e:
+        raise _damaged(path, str(e)) from None
     return config
 
 
-def is_url(target: str) -> bool:
-    """Whether a catalog is given as a database URL rather than a file."""
-    return urllib.parse.urlsplit(target).scheme in URL_SCHEMES
+def _damaged(path: Path, reason: str) -> Damaged:
+    return Damaged(f"{path} is damaged ({reason}); it says where the shared catalog is: "
+                   f"write it again, or join the store anew with blockdiff init")
 
 
-def split_password(url: str) -> tuple[str, str | None]:
-    """``(url without its password, the password or None)``."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url, None
-    userinfo, host = parts.netloc.rsplit("@", 1)
-    user = userinfo.split(":", 1)[0]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}@{host}")), \
-        urllib.parse.unquote(parts.password)
+def catalog_target(target: str) -> tuple[str, str | None]:
+    """``(what shared.json keeps, the password or None)`` of a catalog given
+    at ``init``: a PostgreSQL URL without its secrets, the password being
+    kept in the passfile (:func:`write_passfile`), or a SQLite file's
+    absolute path. A URL that cannot be used is refused (UsageError) before
+    anything is made, and so is one whose secret cannot be kept apart
+    (``sslpassword``: a service file holds it), or a keyword/value string."""
+    if not is_url(target):
+        if looks_like_keywords(target):
+            raise UsageError("give the catalog as a postgresql:// URL (a keyword/value "
+                             "connection string is not taken: it would be taken for a "
+                             "SQLite file's name)")
+        return str(Path(target).absolute()), None
+    try:
+        check_url(target)
+        secrets = secrets_of(target)
+    except ConninfoError as e:
+        raise UsageError(refusal(target, e)) from None
+    public = public_url(target)
+    if "sslpassword" in secrets:
+        raise UsageError(f"{public}: blockdiff does not keep an sslpassword, which libpq "
+                         f"reads only from the connection string; name a connection "
+                         f"service that holds it (?service=NAME, pg_service.conf), or use "
+                         f"a key without a passphrase")
+    return public, secrets.get("password")
 
 
 def write_passfile(root: Path, url: str, password: str) -> None:
     """Keep a password given in the catalog URL where libpq reads passwords
-    from (its passfile format), private to the owner."""
-    parts = urllib.parse.urlsplit(url)
-
-    def field(value) -> str:
-        return str(value or "*").replace("\\", "\\\\").replace(":", "\\:")
-
-    line = ":".join(field(v) for v in (parts.hostname, parts.port or 5432,
-                                        parts.path.lstrip("/") or "*",
-                                        urllib.parse.unquote(parts.username or "") or "*",
-                                        password))
+    from (its passfile format), private to the owner, for the hosts, port,
+    database and user of ``url`` as libpq matches them."""
+    try:
+        lines = passfile_lines(url, password)
+    except ConninfoError as e:
+        raise UsageError(f"{public_url(url)}: {e}") from None
     fd = os.open(root / PASSFILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(line + "\n")
+        f.write("".join(line + "\n" for line in lines))
         f.flush()
         os.fsync(f.fileno())
 
@@ -149,9 +198,7 @@ def _open_url(url: str, root: Path, user: str):
     from blockdiff.db import open_database  # psycopg is needed only here
     passfile = root / PASSFILE
     if passfile.exists():
-        parts = urllib.parse.urlsplit(url)
-        query = urllib.parse.parse_qsl(parts.query) + [("passfile", str(passfile))]
-        url = urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query)))
+        url = with_parameter(url, "passfile", str(passfile))
     return open_database(url, schema=user)
 
 

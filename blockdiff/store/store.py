@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from blockdiff import native
+from blockdiff.db.conninfo import public_url
 from blockdiff.engine import diff as engine
 from blockdiff.engine.extents import RangeSet
 from blockdiff.errors import (
@@ -69,13 +70,12 @@ from blockdiff.store.shared import (
     REMOTE_SETTING,
     SHARED_FILE,
     SharedConfig,
-    is_url,
+    catalog_target,
     new_host_name,
     open_catalog,
     open_remote,
     read_config,
     refuse_options,
-    split_password,
     write_passfile,
 )
 from blockdiff.store.state import StoreState
@@ -134,7 +134,7 @@ class Store(StoreState):
         problems = catalog.store_problems()
         if problems:
             catalog.close()
-            raise Damaged(f"the shared catalog {shared.catalog} is damaged "
+            raise Damaged(f"the shared catalog {public_url(shared.catalog)} is damaged "
                           f"({'; '.join(problems)})")
         self.catalog = catalog
         super().__init__(self.root, catalog, shared)
@@ -207,15 +207,13 @@ class Store(StoreState):
         refuse_options(allow_copy=allow_copy, group=group)
         if (root / "catalog.sqlite").exists() or (root / SHARED_FILE).exists():
             raise StoreError(f"{root} is already a blockdiff store")
+        # Refused before anything is made: a catalog URL that is not one, an
+        # object store's URL that is not one, a bucket that is not there,
+        # credentials it does not take.
+        public, password = catalog_target(target)
         if remote is not None:
-            # Refused before anything is made: a URL that is not one, a
-            # bucket that is not there, credentials it does not take.
             remote = normal_url(remote)
             open_remote(remote).stat("layers/0000000000000000.layer")
-        if is_url(target):
-            public, password = split_password(target)
-        else:
-            public, password = str(Path(target).absolute()), None
         with _made_or_undone(root, (SHARED_FILE, PASSFILE, "lock", "reserve")):
             root.mkdir(parents=True, exist_ok=True)
             os.chmod(root, 0o700)
