@@ -722,6 +722,8 @@ def test_an_agent_database_made_before_the_db_layer_is_adopted_as_it_is(setup):
     raw.execute("ALTER TABLE checkpoints DROP COLUMN environment")
     raw.execute("DROP TABLE environments")
     raw.execute("ALTER TABLE threads DROP COLUMN lease_token")
+    raw.execute("ALTER TABLE journal DROP COLUMN owner")
+    raw.execute("ALTER TABLE journal DROP COLUMN settled")
     raw.execute("PRAGMA user_version = 1")
     raw.close()
     with Agent(store, "t", disk=disk, tools=bank.tools()) as a:

@@ -210,6 +210,8 @@ def test_a_database_made_before_environments_migrates(store):
     raw.execute("ALTER TABLE checkpoints DROP COLUMN environment")
     raw.execute("DROP TABLE environments")
     raw.execute("ALTER TABLE threads DROP COLUMN lease_token")
+    raw.execute("ALTER TABLE journal DROP COLUMN owner")
+    raw.execute("ALTER TABLE journal DROP COLUMN settled")
     raw.execute("UPDATE schema_versions SET version = 2 WHERE name = 'agent'")
     raw.execute("PRAGMA user_version = 2")
     raw.close()

@@ -41,6 +41,8 @@ from blockdiff.agent.model import (
     CheckpointResult,
     Compensation,
     Environment,
+    lease_token,
+    may_still_run,
     process_owner,
 )
 from blockdiff.agent.sealing import Codec
@@ -65,7 +67,8 @@ from blockdiff.store.store import Store, as_store
 __all__ = [
     "DEFAULT_LEASE", "NOT_APPLIED", "TRACE_POINTS", "Agent", "AgentDB", "AgentError",
     "AmbiguousCheckpoint", "Approval", "ApprovalPending", "Checkpoint", "CheckpointResult",
-    "Compensation", "Environment", "EnvironmentChanged", "InDoubt", "NotApplied", "Step",
+    "Compensation", "Environment", "EnvironmentChanged", "Fence", "FencedOff", "InDoubt",
+    "NotApplied", "Step",
     "ThreadBusy", "ThreadFailed", "Tool", "ToolFailed", "UnknownCheckpoint", "UnknownThread",
     "bound_disk", "disk_binding", "fork_thread", "request_id", "rewind_thread",
 ]
@@ -95,6 +98,25 @@ class NotApplied(Exception):
     doubt, to be settled before it is retried."""
 
 
+class FencedOff(NotApplied):
+    """Raised by a fenced tool whose service refused the request because its
+    fencing token is older than one the service has seen for the thread:
+    nothing took effect, and another process holds the thread now. The agent
+    stops with :class:`~blockdiff.errors.ThreadBusy`."""
+
+
+@dataclass(frozen=True)
+class Fence:
+    """The lease a call is made under, for the service to fence by: ``scope``
+    is the thread, ``token`` its lease's fencing token, which grows with every
+    acquisition. A service that refuses a request whose token is older than
+    one it has seen for the scope refuses a process whose lease was taken
+    over, however late that process wakes."""
+
+    scope: str
+    token: int
+
+
 class ApprovalPending(Exception):
     """Raised to stop a run that waits for a human: not a failure, so not a
     :class:`~blockdiff.errors.BlockdiffError`; the caller ends the run and
@@ -113,13 +135,21 @@ class Tool:
     ``run(args, request_id)`` does it and returns a JSON-serialisable result,
     or raises :class:`NotApplied` when it failed without taking effect;
     passing ``request_id`` on as an idempotency key is what makes retries safe.
-    ``check(request_id)`` tells whether a request took effect: its result, or
-    :data:`NOT_APPLIED`. ``compensate(args, result, request_id)`` undoes it.
+    ``check(request_id)`` looks a request up: its result if it took effect,
+    else :data:`NOT_APPLIED`. ``compensate(args, result, undo_id)`` undoes it.
     ``external``: effects outside the sandbox (False: a disk restore undoes
     them, and the call is simply run again on replay). ``idempotent``: running
-    a request id twice has the effect of once. ``high_risk``: only as the
-    first action of a step, so that the step's start is the checkpoint right
-    before it. ``version``: recorded in the environment of each checkpoint."""
+    a request id twice has the effect of once (the service deduplicates by
+    it), so a call in doubt is settled by retrying it under its id.
+    ``fenced``: ``run``, ``check`` and ``compensate`` take the lease's
+    :class:`Fence` as a last argument and pass it to the service, which
+    refuses (:class:`FencedOff`) a request whose token is older than one it
+    has seen for the thread; a check that finds nothing then settles a call
+    for good even while the process that made it may still be running (on
+    another host, paused), since that process's request is refused from then
+    on. ``high_risk``: only as the first action of a step, so that the
+    step's start is the checkpoint right before it. ``version``: recorded in
+    the environment of each checkpoint."""
 
     name: str
     run: Callable
@@ -129,6 +159,7 @@ class Tool:
     idempotent: bool = False
     high_risk: bool = False
     version: str | None = None
+    fenced: bool = False
 
 
 def _new_id() -> str:
@@ -505,6 +536,21 @@ class Agent:
 
     # --------------------------------------------------------- the journal
 
+    @property
+    def fence(self) -> Fence:
+        """The lease this agent holds the thread under, as a fenced tool passes it on."""
+        return Fence(self.thread_id, lease_token(self.owner))
+
+    def _invoke(self, tool: Tool, function: Callable, *args):
+        """Call one of ``tool``'s functions, with the fence if the tool is fenced."""
+        try:
+            return function(*args, self.fence) if tool.fenced else function(*args)
+        except FencedOff as e:
+            raise ThreadBusy(f"thread {self.thread_id} was taken over by another process: "
+                             f"{tool.name}'s service refused this process's fencing token "
+                             f"{self.fence.token} ({e}); stopping rather than acting twice"
+                             ) from e
+
     def _call(self, base: str, position: int, tool_name: str, args: dict):
         tool = self.tools.get(tool_name)
         if tool is None:
@@ -522,40 +568,84 @@ class Agent:
                 raise AgentError(f"call {rid} ({tool_name}) was compensated; rewind the thread "
                                  f"to continue")
             if recorded.status == "intent":
-                settled = self._settle(tool, rid, args)
-                if settled is not NOT_APPLIED:
-                    return settled
-        else:
-            if tool.external:
-                self._make_durable(base)
-            self.db.record_intent(rid, self.thread_id, self.owner, base=base, position=position,
-                                  tool=tool_name,
-                                  args=self.codec.encode(args, f"journal {rid} args"),
-                                  compensable=tool.compensate is not None,
-                                  external=tool.external)
-            self.trace("call.intent")
+                return self._settle(tool, recorded, args)
+            return self._run(tool, rid, args)
+        if tool.external:
+            self._make_durable(base)
+        self.db.record_intent(rid, self.thread_id, self.owner, base=base, position=position,
+                              tool=tool_name,
+                              args=self.codec.encode(args, f"journal {rid} args"),
+                              compensable=tool.compensate is not None,
+                              external=tool.external)
+        self.trace("call.intent")
         return self._run(tool, rid, args)
 
-    def _settle(self, tool: Tool, rid: str, args: dict):
-        """A call in flight when its process died: find out before retrying."""
-        if not tool.external or tool.idempotent:
-            return NOT_APPLIED
+    def _look_up(self, tool: Tool, call) -> object:
+        """What a call in doubt (its intent journalled, no outcome) came to,
+        as far as the tool's check can tell for good: its result (journalled
+        as done), :data:`NOT_APPLIED` if it never will take effect, or None
+        if the check cannot say: there is none, or it found nothing while the
+        process that journalled the call may still make it, and the tool is
+        not fenced against that process. The journal says what was found."""
         if tool.check is None:
-            raise InDoubt(f"{tool.name} request {rid} was in flight when its process died and "
-                          f"the tool cannot say whether it took effect; give the tool a check "
-                          f"or make it idempotent")
-        result = tool.check(rid)
-        if result is NOT_APPLIED:
+            return None
+        rid = call.request_id
+        found = self._invoke(tool, tool.check, rid)
+        if found is not NOT_APPLIED:
+            self._record(rid, "done", found, settled=f"looked up by {self.owner}: it took "
+                                                     f"effect")
+            return found
+        if not may_still_run(call.owner, self.owner, self.db.here):
+            self.db.set_call_settled(rid, f"looked up by {self.owner}: no effect, and the "
+                                          f"process that made it is not running it",
+                                     owner=self.owner)
             return NOT_APPLIED
-        self._record(rid, "done", result)
-        return result
+        if tool.fenced and lease_token(call.owner) < self.fence.token:
+            self.db.set_call_settled(rid, f"looked up by {self.owner}: no effect, and the "
+                                          f"service refuses from now on the older fencing "
+                                          f"token {lease_token(call.owner)} it was made under",
+                                     owner=self.owner)
+            return NOT_APPLIED
+        return None
 
-    def _run(self, tool: Tool, rid: str, args: dict):
+    def _settle(self, tool: Tool, call, args: dict):
+        """A call in flight when the process that made it stopped (it died,
+        or lost its lease and may still be running): settle it under its
+        request id before the step goes on, never under a new one."""
+        rid = call.request_id
+        # Only the holder settles: a process whose lease was taken over stops here.
+        self.db.renew(self.thread_id, self.owner, self.lease)
+        if not tool.external:
+            return self._run(tool, rid, args)
+        found = self._look_up(tool, call)
+        if found is NOT_APPLIED:
+            return self._run(tool, rid, args)
+        if found is not None:
+            return found
+        holder = call.owner or "a process of an older blockdiff"
+        if not tool.idempotent:
+            if tool.check is None:
+                raise InDoubt(f"{tool.name} request {rid} was left in flight by {holder} and "
+                              f"the tool cannot say whether it took effect; give the tool a "
+                              f"check or make it idempotent")
+            raise InDoubt(f"{tool.name} request {rid} was left in flight by {holder}, which may "
+                          f"still be running (a lapsed lease says it stopped renewing, not that "
+                          f"it stopped): the tool's check finds no effect yet, so the tool "
+                          f"cannot say whether it took effect; make the tool fenced, or "
+                          f"idempotent so that it is retried under the same id")
+        # Retried under its own id: whichever of the two requests reaches the
+        # service first takes effect, the other is deduplicated.
+        return self._run(tool, rid, args, settled=f"retried under its request id by "
+                                                  f"{self.owner}")
+
+    def _run(self, tool: Tool, rid: str, args: dict, settled: str | None = None):
         try:
-            result = tool.run(args, rid)
+            result = self._invoke(tool, tool.run, args, rid)
+        except ThreadBusy:
+            raise
         except NotApplied as e:
             # The tool says it did nothing: the call is as if never made.
-            self.db.forget_intent(rid)
+            self.db.forget_intent(rid, owner=self.owner)
             raise ToolFailed(f"{tool.name} failed: {e}") from e
         except Exception as e:
             # Any other failure (a timeout, a lost answer) may have taken
@@ -563,29 +653,33 @@ class Agent:
             # (check, idempotent retry, or InDoubt) before calling again.
             raise ToolFailed(f"{tool.name} failed: {e}") from e
         self.trace("call.ran")
-        self._record(rid, "done", result)
+        self._record(rid, "done", result, settled=settled)
         self.trace("call.recorded")
         return result
 
-    def _record(self, rid: str, status: str, result) -> None:
-        self.db.record_result(rid, status, self.codec.encode(result, f"journal {rid}"))
+    def _record(self, rid: str, status: str, result, settled: str | None = None) -> None:
+        self.db.record_result(rid, status, self.codec.encode(result, f"journal {rid}"),
+                              owner=self.owner, settled=settled)
 
     # ------------------------------------------------------ compensation
 
     def run_pending_compensations(self) -> Compensation:
         """Run the compensations a rewind or a failure left pending (newest
         first); each is journalled and passes the tool the same undo id every
-        time, so one interrupted and run again takes effect once."""
+        time, so one interrupted and run again takes effect once. A call in
+        doubt is settled first (:meth:`_settle_for_undo`): what is undone is
+        what is known to have happened."""
         report = Compensation()
+        owner = self.owner
         for call in self.db.pending_undo(self.thread_id):
             rid, tool_name = call.request_id, call.tool
             tool = self.tools.get(tool_name)
             context = f"journal {rid}"
             if not call.external:
-                self.db.set_call_undo(rid, "restored with the disk")
+                self.db.set_call_undo(rid, "restored with the disk", owner=owner)
                 continue
             if not call.compensable:
-                self.db.set_call_status(rid, "uncompensable")
+                self.db.set_call_status(rid, "uncompensable", owner=owner)
                 report.uncompensable.append(f"{tool_name} {rid}")
                 continue
             if tool is None:
@@ -594,40 +688,47 @@ class Agent:
             args = self.codec.decode(call.args, context + " args")
             result = self.codec.decode(call.result, context) if call.result else None
             if call.status == "intent":
-                settled = self._settle_for_undo(tool, rid, args)
+                settled = self._settle_for_undo(tool, call, args)
                 if settled is None:
-                    self.db.set_call_status(rid, "uncompensable")
+                    self.db.set_call_status(rid, "uncompensable", owner=owner)
                     report.uncompensable.append(f"{tool_name} {rid} (in doubt: the tool "
                                                 f"cannot say whether it took effect)")
                     continue
                 if settled is NOT_APPLIED:
-                    self.db.set_call_undo(rid, "never took effect")
-                    self.db.set_call_status(rid, "compensated")
+                    self.db.set_call_undo(rid, "never took effect", owner=owner)
+                    self.db.set_call_status(rid, "compensated", owner=owner)
                     continue
                 result = settled
-            self.db.set_call_status(rid, "compensating")
+            self.db.set_call_status(rid, "compensating", owner=owner)
             self.trace("compensation.intent")
-            tool.compensate(args, result, rid + ":undo")
+            self._invoke(tool, tool.compensate, args, result, rid + ":undo")
             self.trace("compensation.ran")
-            self.db.set_call_status(rid, "compensated")
-            self.db.set_call_undo(rid, "done")
+            self.db.set_call_status(rid, "compensated", owner=owner)
+            self.db.set_call_undo(rid, "done", owner=owner)
             report.compensated.append(f"{tool_name} {rid}")
         return report
 
-    def _settle_for_undo(self, tool: Tool, rid: str, args: dict):
-        """A call in flight when its process died, about to be undone: its
-        result if it took effect, NOT_APPLIED if not, None if nobody can say.
-        An idempotent tool without a check is run again under the same id,
-        which takes effect once, to learn the result to compensate."""
-        if tool.check is not None:
-            result = tool.check(rid)
-        elif tool.idempotent:
-            result = tool.run(args, rid)
-        else:
-            return None
-        if result is not NOT_APPLIED:
-            self._record(rid, "done", result)
-        return result
+    def _settle_for_undo(self, tool: Tool, call, args: dict):
+        """A call in doubt, about to be undone: its result if it took effect,
+        NOT_APPLIED if it never will, None if nobody can say. When a lookup
+        cannot say for good (the process that made it may still make it), an
+        idempotent tool is run again under the same id, which takes effect
+        once whoever gets there first, to learn the result to compensate."""
+        found = self._look_up(tool, call)
+        if found is not None or not tool.idempotent:
+            return found
+        rid = call.request_id
+        try:
+            found = self._invoke(tool, tool.run, args, rid)
+        except ThreadBusy:
+            raise
+        except NotApplied:
+            self.db.set_call_settled(rid, f"retried under its request id by {self.owner}: "
+                                          f"refused, no effect", owner=self.owner)
+            return NOT_APPLIED
+        self._record(rid, "done", found, settled=f"retried under its request id by "
+                                                 f"{self.owner}, to undo it")
+        return found
 
     # ------------------------------------------------------- time travel
 
@@ -666,8 +767,8 @@ class Agent:
         if not history:
             return Compensation()
         target = to or history[-1].id
-        self.db.mark_failing(self.thread_id, self.db.effects_since(self.thread_id, self.head,
-                                                                    target))
+        self.db.mark_failing(self.thread_id, self.owner,
+                             self.db.effects_since(self.thread_id, self.head, target))
         self.trace("rewind.marked")
         report = self.run_pending_compensations()
         self.close("failed")
