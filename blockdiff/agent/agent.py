@@ -10,8 +10,10 @@ go back to the head, the step runs again, and its tool calls are matched
 with the journal by *request id* — ``hash(head checkpoint, position of the
 call in the step)``, never the call's arguments, which a model may phrase
 differently the second time. A call the journal records as done returns its
-recorded result without running; a call that was in flight is settled by
-asking the tool whether that request id took effect before it is retried.
+recorded result without running; a call that was in flight (its process
+died, or lost its lease and may still be running on another host) is
+settled under that same request id before the step goes on: looked up,
+retried under it, or refused as in doubt (see ``Agent._settle``).
 
 Commands that act on the sandbox disk need no journal: the disk goes back
 with the state, so running them again is correct. Tools with effects outside
