@@ -688,9 +688,9 @@ def test_a_process_whose_lease_was_taken_over_records_no_result(setup):
                            args=a.codec.encode({}, f"journal {rid} args"), compensable=True,
                            external=True)
         with Agent(store, "t", tools=bank.tools()):
-            for write in (lambda: a._record(rid, "done", {"charge": rid}),
+            for write in (lambda: a.calls._record(rid, "done", {"charge": rid}),
                           lambda: a.db.forget_intent(rid, owner=a.owner),
-                          lambda: a.db.set_call_status(rid, "compensated", owner=a.owner)):
+                          lambda: a.db.update_call(rid, status="compensated", owner=a.owner)):
                 with pytest.raises(ThreadBusy, match="fencing token 1"):
                     write()
         assert [e.status for e in AgentDB(store).journal("t")] == ["intent"]

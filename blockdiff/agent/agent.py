@@ -13,7 +13,7 @@ differently the second time. A call the journal records as done returns its
 recorded result without running; a call that was in flight (its process
 died, or lost its lease and may still be running on another host) is
 settled under that same request id before the step goes on: looked up,
-retried under it, or refused as in doubt (see ``Agent._settle``).
+retried under it, or refused as in doubt (:mod:`blockdiff.agent.calls`).
 
 Commands that act on the sandbox disk need no journal: the disk goes back
 with the state, so running them again is correct. Tools with effects outside
@@ -26,13 +26,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
+from blockdiff.agent.calls import (
+    NOT_APPLIED,
+    Fence,
+    FencedOff,
+    NotApplied,
+    Tool,
+    ToolCalls,
+    request_id,
+)
 from blockdiff.agent.diff import Change, environment_changes
 from blockdiff.agent.disks import Disk, bound_disk, disk_binding, fork_disk
 from blockdiff.agent.model import (
@@ -43,8 +50,6 @@ from blockdiff.agent.model import (
     CheckpointResult,
     Compensation,
     Environment,
-    lease_token,
-    may_still_run,
     process_owner,
 )
 from blockdiff.agent.sealing import Codec
@@ -91,32 +96,8 @@ TRACE_POINTS = (
     "compensation.intent",  # a compensation is journalled; it has not run
     "compensation.ran",     # it ran; the journal does not say so yet
 )
-NOT_APPLIED = object()  # a tool's check: "that request never took effect"
-
-
-class NotApplied(Exception):
-    """Raised by a tool whose call failed without taking effect (a declined
-    payment, a rejected request). Any other exception leaves the call in
-    doubt, to be settled before it is retried."""
-
-
-class FencedOff(NotApplied):
-    """Raised by a fenced tool whose service refused the request because its
-    fencing token is older than one the service has seen for the thread:
-    nothing took effect, and another process holds the thread now. The agent
-    stops with :class:`~blockdiff.errors.ThreadBusy`."""
-
-
-@dataclass(frozen=True)
-class Fence:
-    """The lease a call is made under, for the service to fence by: ``scope``
-    is the thread, ``token`` its lease's fencing token, which grows with every
-    acquisition. A service that refuses a request whose token is older than
-    one it has seen for the scope refuses a process whose lease was taken
-    over, however late that process wakes."""
-
-    scope: str
-    token: int
+def _new_id() -> str:
+    return os.urandom(8).hex()
 
 
 class ApprovalPending(Exception):
@@ -128,49 +109,6 @@ class ApprovalPending(Exception):
         super().__init__(f"thread {thread} waits for approval of {json.dumps(action)}; "
                          f"approve or reject it with: blockdiff agent approve|reject {thread}")
         self.thread, self.approval_id, self.action = thread, approval_id, action
-
-
-@dataclass(frozen=True)
-class Tool:
-    """Something an agent calls with effects the journal must account for.
-
-    ``run(args, request_id)`` does it and returns a JSON-serialisable result,
-    or raises :class:`NotApplied` when it failed without taking effect;
-    passing ``request_id`` on as an idempotency key is what makes retries safe.
-    ``check(request_id)`` looks a request up: its result if it took effect,
-    else :data:`NOT_APPLIED`. ``compensate(args, result, undo_id)`` undoes it.
-    ``external``: effects outside the sandbox (False: a disk restore undoes
-    them, and the call is simply run again on replay). ``idempotent``: running
-    a request id twice has the effect of once (the service deduplicates by
-    it), so a call in doubt is settled by retrying it under its id.
-    ``fenced``: ``run``, ``check`` and ``compensate`` take the lease's
-    :class:`Fence` as a last argument and pass it to the service, which
-    refuses (:class:`FencedOff`) a request whose token is older than one it
-    has seen for the thread; a check that finds nothing then settles a call
-    for good even while the process that made it may still be running (on
-    another host, paused), since that process's request is refused from then
-    on. ``high_risk``: only as the first action of a step, so that the
-    step's start is the checkpoint right before it. ``version``: recorded in
-    the environment of each checkpoint."""
-
-    name: str
-    run: Callable
-    check: Callable | None = None
-    compensate: Callable | None = None
-    external: bool = True
-    idempotent: bool = False
-    high_risk: bool = False
-    version: str | None = None
-    fenced: bool = False
-
-
-def _new_id() -> str:
-    return os.urandom(8).hex()
-
-
-def request_id(base: str, position: int, kind: str = "call") -> str:
-    """The id of the ``position``-th call of the step that began at ``base``."""
-    return hashlib.sha256(f"{base}/{kind}/{position}".encode()).hexdigest()[:32]
 
 
 def _disk_snapshot(disk: Disk | None, thread_id: str, reason: str,
@@ -253,6 +191,9 @@ class Agent:
         except BaseException:
             self.db.close()
             raise
+        self.calls = ToolCalls(self.db, self.codec, thread_id, self.owner, tools=self.tools,
+                               lease=lease, trace=self.trace,
+                               before_external=self._make_durable)
         try:
             self._disk_stores = self._shared_disk_stores()
             for disk_store in self._disk_stores:
@@ -541,196 +482,12 @@ class Agent:
     @property
     def fence(self) -> Fence:
         """The lease this agent holds the thread under, as a fenced tool passes it on."""
-        return Fence(self.thread_id, lease_token(self.owner))
-
-    def _invoke(self, tool: Tool, function: Callable, *args):
-        """Call one of ``tool``'s functions, with the fence if the tool is fenced."""
-        try:
-            return function(*args, self.fence) if tool.fenced else function(*args)
-        except FencedOff as e:
-            raise ThreadBusy(f"thread {self.thread_id} was taken over by another process: "
-                             f"{tool.name}'s service refused this process's fencing token "
-                             f"{self.fence.token} ({e}); stopping rather than acting twice"
-                             ) from e
-
-    def _call(self, base: str, position: int, tool_name: str, args: dict):
-        tool = self.tools.get(tool_name)
-        if tool is None:
-            raise UsageError(f"no tool named {tool_name!r} was given to this agent")
-        rid = request_id(base, position)
-        recorded = self.db.call(rid)
-        if recorded is not None:
-            if recorded.tool != tool_name:
-                raise AgentError(f"the step's call #{position} was {recorded.tool} and is now "
-                                 f"{tool_name}: the step is not deterministic, so its journal "
-                                 f"cannot be replayed")
-            if recorded.status == "done":
-                return self.codec.decode(recorded.result, f"journal {rid}")
-            if recorded.status in ("compensating", "compensated", "uncompensable"):
-                raise AgentError(f"call {rid} ({tool_name}) was compensated; rewind the thread "
-                                 f"to continue")
-            if recorded.status == "intent":
-                return self._settle(tool, recorded, args)
-            return self._run(tool, rid, args)
-        if tool.external:
-            self._make_durable(base)
-        self.db.record_intent(rid, self.thread_id, self.owner, base=base, position=position,
-                              tool=tool_name,
-                              args=self.codec.encode(args, f"journal {rid} args"),
-                              compensable=tool.compensate is not None,
-                              external=tool.external)
-        self.trace("call.intent")
-        return self._run(tool, rid, args)
-
-    def _look_up(self, tool: Tool, call) -> object:
-        """What a call in doubt (its intent journalled, no outcome) came to,
-        as far as the tool's check can tell for good: its result (journalled
-        as done), :data:`NOT_APPLIED` if it never will take effect, or None
-        if the check cannot say: there is none, or it found nothing while the
-        process that journalled the call may still make it, and the tool is
-        not fenced against that process. The journal says what was found."""
-        if tool.check is None:
-            return None
-        rid = call.request_id
-        found = self._invoke(tool, tool.check, rid)
-        if found is not NOT_APPLIED:
-            self._record(rid, "done", found, settled=f"looked up by {self.owner}: it took "
-                                                     f"effect")
-            return found
-        if not may_still_run(call.owner, self.owner, self.db.here):
-            self.db.set_call_settled(rid, f"looked up by {self.owner}: no effect, and the "
-                                          f"process that made it is not running it",
-                                     owner=self.owner)
-            return NOT_APPLIED
-        if tool.fenced and lease_token(call.owner) < self.fence.token:
-            self.db.set_call_settled(rid, f"looked up by {self.owner}: no effect, and the "
-                                          f"service refuses from now on the older fencing "
-                                          f"token {lease_token(call.owner)} it was made under",
-                                     owner=self.owner)
-            return NOT_APPLIED
-        return None
-
-    def _settle(self, tool: Tool, call, args: dict):
-        """A call in flight when the process that made it stopped (it died,
-        or lost its lease and may still be running): settle it under its
-        request id before the step goes on, never under a new one."""
-        rid = call.request_id
-        # Only the holder settles: a process whose lease was taken over stops here.
-        self.db.renew(self.thread_id, self.owner, self.lease)
-        if not tool.external:
-            return self._run(tool, rid, args)
-        found = self._look_up(tool, call)
-        if found is NOT_APPLIED:
-            return self._run(tool, rid, args)
-        if found is not None:
-            return found
-        holder = call.owner or "a process of an older blockdiff"
-        if not tool.idempotent:
-            if tool.check is None:
-                raise InDoubt(f"{tool.name} request {rid} was left in flight by {holder} and "
-                              f"the tool cannot say whether it took effect; give the tool a "
-                              f"check or make it idempotent")
-            raise InDoubt(f"{tool.name} request {rid} was left in flight by {holder}, which may "
-                          f"still be running (a lapsed lease says it stopped renewing, not that "
-                          f"it stopped): the tool's check finds no effect yet, so the tool "
-                          f"cannot say whether it took effect; make the tool fenced, or "
-                          f"idempotent so that it is retried under the same id")
-        # Retried under its own id: whichever of the two requests reaches the
-        # service first takes effect, the other is deduplicated.
-        return self._run(tool, rid, args, settled=f"retried under its request id by "
-                                                  f"{self.owner}")
-
-    def _run(self, tool: Tool, rid: str, args: dict, settled: str | None = None):
-        try:
-            result = self._invoke(tool, tool.run, args, rid)
-        except ThreadBusy:
-            raise
-        except NotApplied as e:
-            # The tool says it did nothing: the call is as if never made.
-            self.db.forget_intent(rid, owner=self.owner)
-            raise ToolFailed(f"{tool.name} failed: {e}") from e
-        except Exception as e:
-            # Any other failure (a timeout, a lost answer) may have taken
-            # effect: the intent stays, and the step's next run settles it
-            # (check, idempotent retry, or InDoubt) before calling again.
-            raise ToolFailed(f"{tool.name} failed: {e}") from e
-        self.trace("call.ran")
-        self._record(rid, "done", result, settled=settled)
-        self.trace("call.recorded")
-        return result
-
-    def _record(self, rid: str, status: str, result, settled: str | None = None) -> None:
-        self.db.record_result(rid, status, self.codec.encode(result, f"journal {rid}"),
-                              owner=self.owner, settled=settled)
-
-    # ------------------------------------------------------ compensation
+        return self.calls.fence
 
     def run_pending_compensations(self) -> Compensation:
-        """Run the compensations a rewind or a failure left pending (newest
-        first); each is journalled and passes the tool the same undo id every
-        time, so one interrupted and run again takes effect once. A call in
-        doubt is settled first (:meth:`_settle_for_undo`): what is undone is
-        what is known to have happened."""
-        report = Compensation()
-        owner = self.owner
-        for call in self.db.pending_undo(self.thread_id):
-            rid, tool_name = call.request_id, call.tool
-            tool = self.tools.get(tool_name)
-            context = f"journal {rid}"
-            if not call.external:
-                self.db.set_call_undo(rid, "restored with the disk", owner=owner)
-                continue
-            if not call.compensable:
-                self.db.set_call_status(rid, "uncompensable", owner=owner)
-                report.uncompensable.append(f"{tool_name} {rid}")
-                continue
-            if tool is None:
-                report.pending.append(f"{tool_name} {rid}")
-                continue
-            args = self.codec.decode(call.args, context + " args")
-            result = self.codec.decode(call.result, context) if call.result else None
-            if call.status == "intent":
-                settled = self._settle_for_undo(tool, call, args)
-                if settled is None:
-                    self.db.set_call_status(rid, "uncompensable", owner=owner)
-                    report.uncompensable.append(f"{tool_name} {rid} (in doubt: the tool "
-                                                f"cannot say whether it took effect)")
-                    continue
-                if settled is NOT_APPLIED:
-                    self.db.set_call_undo(rid, "never took effect", owner=owner)
-                    self.db.set_call_status(rid, "compensated", owner=owner)
-                    continue
-                result = settled
-            self.db.set_call_status(rid, "compensating", owner=owner)
-            self.trace("compensation.intent")
-            self._invoke(tool, tool.compensate, args, result, rid + ":undo")
-            self.trace("compensation.ran")
-            self.db.set_call_status(rid, "compensated", owner=owner)
-            self.db.set_call_undo(rid, "done", owner=owner)
-            report.compensated.append(f"{tool_name} {rid}")
-        return report
-
-    def _settle_for_undo(self, tool: Tool, call, args: dict):
-        """A call in doubt, about to be undone: its result if it took effect,
-        NOT_APPLIED if it never will, None if nobody can say. When a lookup
-        cannot say for good (the process that made it may still make it), an
-        idempotent tool is run again under the same id, which takes effect
-        once whoever gets there first, to learn the result to compensate."""
-        found = self._look_up(tool, call)
-        if found is not None or not tool.idempotent:
-            return found
-        rid = call.request_id
-        try:
-            found = self._invoke(tool, tool.run, args, rid)
-        except ThreadBusy:
-            raise
-        except NotApplied:
-            self.db.set_call_settled(rid, f"retried under its request id by {self.owner}: "
-                                          f"refused, no effect", owner=self.owner)
-            return NOT_APPLIED
-        self._record(rid, "done", found, settled=f"retried under its request id by "
-                                                 f"{self.owner}, to undo it")
-        return found
+        """Run the compensations a rewind or a failure left pending (see
+        :meth:`ToolCalls.compensate_pending`)."""
+        return self.calls.compensate_pending()
 
     # ------------------------------------------------------- time travel
 
@@ -824,7 +581,7 @@ class Step:
         self.calls += 1
         if definition is not None and definition.external:
             self.external_calls += 1
-        return self.agent._call(self.base, position, tool, args or {})
+        return self.agent.calls.call(self.base, position, tool, args or {})
 
     def __exit__(self, exc_type, exc, tb) -> None:
         agent = self.agent

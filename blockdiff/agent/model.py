@@ -1,7 +1,8 @@
 """The agent's records and all their SQL: threads and their leases, agent
 checkpoints, the tool-call journal and approvals, in ``<store>/agent.sqlite``
 beside the store's catalog. :mod:`blockdiff.agent.agent` builds the
-``Agent``/``Step`` API on top and executes no SQL of its own.
+``Agent``/``Step`` API on top, and :mod:`blockdiff.agent.calls` the journal
+of its tool calls; neither executes SQL of its own.
 
 Every method that changes records is one transaction. Those that write for
 a thread a process holds (a checkpoint, a journal intent, a lease renewal)
@@ -936,27 +937,22 @@ class AgentDB:
                            "settled = COALESCE(?, settled) WHERE request_id = ?",
                            (status, result, time.time(), settled, request_id))
 
-    def set_call_settled(self, request_id: str, settled: str, *, owner: str) -> None:
-        """Say how a call in doubt was settled (a lookup's answer, before the
-        call is retried or its undoing recorded)."""
-        with self.transaction() as db:
-            if self._check_call_owner(db, request_id, owner):
-                db.execute("UPDATE journal SET settled = ? WHERE request_id = ?",
-                           (settled, request_id))
+    _CALL_FIELDS = ("status", "undo", "settled")
 
-    def set_call_status(self, request_id: str, status: str, *, owner: str) -> None:
-        """Where a call's compensation stands: compensating, compensated, uncompensable."""
+    def update_call(self, request_id: str, *, owner: str, **fields: str) -> None:
+        """Set fields of call ``request_id``: ``status`` (where its
+        compensation stands: compensating, compensated, uncompensable),
+        ``undo`` (how a call marked for undoing was undone) or ``settled``
+        (how a call in doubt was settled: a lookup's answer, before the call
+        is retried or its undoing recorded)."""
+        unknown = set(fields) - set(self._CALL_FIELDS)
+        if unknown:
+            raise ValueError(f"a journalled call has no field {', '.join(sorted(unknown))}")
+        names = [name for name in self._CALL_FIELDS if name in fields]
         with self.transaction() as db:
-            if self._check_call_owner(db, request_id, owner):
-                db.execute("UPDATE journal SET status = ? WHERE request_id = ?",
-                           (status, request_id))
-
-    def set_call_undo(self, request_id: str, undo: str, *, owner: str) -> None:
-        """How a call marked for undoing was settled."""
-        with self.transaction() as db:
-            if self._check_call_owner(db, request_id, owner):
-                db.execute("UPDATE journal SET undo = ? WHERE request_id = ?",
-                           (undo, request_id))
+            if names and self._check_call_owner(db, request_id, owner):
+                db.execute(f"UPDATE journal SET {', '.join(f'{n} = ?' for n in names)} "
+                           f"WHERE request_id = ?", (*(fields[n] for n in names), request_id))
 
     @staticmethod
     def _mark_undo(db, request_ids: Iterable[str]) -> None:
