@@ -5,7 +5,7 @@ beside the store's catalog. :mod:`blockdiff.agent.agent` builds the
 of its tool calls; neither executes SQL of its own.
 
 Every method that changes records is one transaction. Those that write for
-a thread a process holds (a checkpoint, a journal intent, a lease renewal)
+a thread a process holds (a checkpoint, a journal entry, a lease renewal)
 take that process's ``owner`` and check it under the write lock: a process
 whose lease was taken over stops instead of writing over the new holder."""
 
