@@ -9,7 +9,9 @@ Each order's step
      whose line count is read back from the disk itself (so a step that ran
      on a disk not put back after a crash would count twice and show it);
   2. calls the ``charge`` tool, which POSTs the journal's request id with the
-     charge, so that the service charges a request id once;
+     charge, so that the service charges a request id once, and the lease's
+     fence (the thread and its fencing token), so that the service refuses
+     a host that lost the thread to another and wakes later;
   3. records the charge in ``agent.state`` and a line in ``agent.messages``.
 
 Orders over ``APPROVAL_OVER`` cents wait for a human. The agent is
@@ -36,7 +38,10 @@ payment was declined) and what it charged was refunded, 1 any other error,
 Fault injection: ``--crash-at POINT:N`` SIGKILLs this process the N-th time
 it passes POINT, one of the Agent's ``TRACE_POINTS`` or this example's own
 ``EXAMPLE_POINTS``; ``--pause-at POINT:N`` sleeps there instead (for
-``--pause-seconds``), holding the thread.
+``--pause-seconds``), holding the thread; ``--stop-at POINT:N`` SIGSTOPs it
+there, to go on where it stopped when it is sent SIGCONT (a host paused
+while its lease lapses). It stops once its uploads under way are done, so
+that it holds no transaction of a shared catalog while stopped.
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ from blockdiff.agent.agent import (
     AgentDB,
     AgentError,
     ApprovalPending,
+    Fence,
+    FencedOff,
     NotApplied,
     ThreadBusy,
     ThreadFailed,
@@ -192,12 +199,24 @@ def _http(method: str, url: str, body: dict | None, timeout: float) -> tuple[int
 
 
 def charge_tool(service: str, timeout: float = 10.0) -> Tool:
-    """The ``charge`` tool: args ``{"amount", "order"}``; the journal's request
-    id is the service's idempotency key, so running it twice charges once."""
+    """The ``charge`` tool: args ``{"amount", "order"}``. The journal's request
+    id is the service's idempotency key, so running it twice charges once;
+    every request carries the lease's fence, so the service refuses one from
+    a process whose lease was taken over (:class:`FencedOff`), and a lookup
+    that finds nothing is final."""
     service = service.rstrip("/")
 
-    def check(request_id: str):
-        status, answer = _http("GET", f"{service}/charge/{request_id}", None, timeout)
+    def fenced(body: dict, fence: Fence) -> dict:
+        return body | {"fence": {"scope": fence.scope, "token": fence.token}}
+
+    def refused(status: int, answer: dict) -> None:
+        if status == 409 and answer.get("fenced"):
+            raise FencedOff(answer.get("error", "stale fencing token"))
+
+    def check(request_id: str, fence: Fence):
+        status, answer = _http("POST", f"{service}/lookup",
+                               fenced({"request_id": request_id}, fence), timeout)
+        refused(status, answer)
         if status == 404:
             return NOT_APPLIED
         if status != 200:
@@ -205,33 +224,36 @@ def charge_tool(service: str, timeout: float = 10.0) -> Tool:
                                f"{answer.get('error', answer)}")
         return answer
 
-    def run(args: dict, request_id: str):
+    def run(args: dict, request_id: str, fence: Fence):
         try:
             status, answer = _http("POST", f"{service}/charge",
-                                   {"request_id": request_id, "amount": args["amount"],
-                                    "order": args["order"]}, timeout)
+                                   fenced({"request_id": request_id, "amount": args["amount"],
+                                           "order": args["order"]}, fence), timeout)
         except OSError as e:
             # The request may have reached the service before the answer was
             # lost: a tool raises only when the request did not take effect,
             # so ask. (If the service cannot be asked either, raising is still
             # safe: a retry of the step reuses this request id.)
             try:
-                found = check(request_id)
+                found = check(request_id, fence)
             except OSError:
                 found = NOT_APPLIED
             if found is not NOT_APPLIED:
                 return found
             raise ServiceError(f"charge service at {service} unreachable: {e}") from e
+        refused(status, answer)
         if status == 402:
             raise Declined(answer.get("error", "declined"))
         if status not in (200, 201):
             raise ServiceError(f"charge service answered {status}: {answer.get('error', answer)}")
         return answer
 
-    def compensate(args: dict, result, undo_id: str):
+    def compensate(args: dict, result, undo_id: str, fence: Fence):
         charge_id = (result or {}).get("request_id") or undo_id.removesuffix(":undo")
         status, answer = _http("POST", f"{service}/refund",
-                               {"request_id": undo_id, "charge_request_id": charge_id}, timeout)
+                               fenced({"request_id": undo_id, "charge_request_id": charge_id},
+                                      fence), timeout)
+        refused(status, answer)
         if status == 404:
             return None  # never charged: nothing to give back
         if status not in (200, 201):
@@ -240,7 +262,7 @@ def charge_tool(service: str, timeout: float = 10.0) -> Tool:
         return answer
 
     return Tool("charge", run=run, check=check, compensate=compensate, external=True,
-                idempotent=False)
+                idempotent=True, fenced=True)
 
 
 # ---------------------------------------------------------------- the agent
@@ -299,9 +321,11 @@ def work(agent: Agent, disk: str, trace, say, approval_ttl: float | None = 3600.
 class Tracer:
     """The Agent's ``trace``: counts each point and crashes or pauses on cue."""
 
-    def __init__(self, crash=None, pause=None, pause_seconds=3600.0, verbose=False):
+    def __init__(self, crash=None, pause=None, pause_seconds=3600.0, verbose=False, stop=None):
         self.counts: collections.Counter = collections.Counter()
-        self.crash, self.pause = crash, pause
+        self.crash, self.pause, self.stop = crash, pause, stop
+        # Called before stopping: what must not be left half done meanwhile.
+        self.before_stop = lambda: None
         self.pause_seconds, self.verbose = pause_seconds, verbose
 
     def __call__(self, point: str) -> None:
@@ -316,6 +340,11 @@ class Tracer:
             print(f"pause at {point}:{here[1]} (pid {os.getpid()}) for {self.pause_seconds} s",
                   flush=True)
             time.sleep(self.pause_seconds)
+        if here == self.stop:
+            self.before_stop()
+            print(f"stop at {point}:{here[1]} (pid {os.getpid()})", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            print(f"continued at {point}:{here[1]}", flush=True)
 
 
 def _point(text: str) -> tuple[str, int]:
@@ -352,10 +381,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pause-at", type=_point, metavar="POINT:N",
                    help="sleep the N-th time this process passes POINT")
     p.add_argument("--pause-seconds", type=float, default=3600.0)
+    p.add_argument("--stop-at", type=_point, metavar="POINT:N",
+                   help="SIGSTOP this process the N-th time it passes POINT (it goes on when "
+                        "sent SIGCONT)")
     p.add_argument("--verbose", action="store_true", help="print every trace point")
     action = p.add_mutually_exclusive_group()
-    action.add_argument("--rewind-to", metavar="CHECKPOINT|order:N",
-                        help="rewind the thread (refunding what was charged since) and stop")
+    action.add_argument("--rewind-to", metavar="CHECKPOINT|order:N|head",
+                        help="rewind the thread (refunding what was charged since) and stop; "
+                             "head: to where it resumes, undoing the calls of a step that "
+                             "did not finish")
     action.add_argument("--fail", action="store_true",
                         help="fail the thread: refund everything its run charged")
     return p
@@ -363,7 +397,8 @@ def parser() -> argparse.ArgumentParser:
 
 def run(args, say) -> int:
     store = open_store(args.store)
-    tracer = Tracer(args.crash_at, args.pause_at, args.pause_seconds, args.verbose)
+    tracer = Tracer(args.crash_at, args.pause_at, args.pause_seconds, args.verbose,
+                    args.stop_at)
     db = AgentDB(store)
     try:
         try:
@@ -391,6 +426,9 @@ def run(args, say) -> int:
             return EXIT_DONE
         say(f"run failed: refunds finished for thread {args.thread}")
         return EXIT_FAILED
+    # A background upload stopped inside its catalog transaction would hold
+    # every host's catalog up; a paused host's agent protocol is what is tested.
+    tracer.before_stop = lambda: agent.wait_durable(60)
     closing = None
     try:
         if agent.resumed:
@@ -410,6 +448,8 @@ def run(args, say) -> int:
                 f"charge(s)")
             return EXIT_DONE
         if args.rewind_to:
+            if args.rewind_to == "head":
+                args.rewind_to = agent.head
             report = agent.rewind(args.rewind_to)
             say(f"thread {args.thread} rewound to {args.rewind_to}: refunded "
                 f"{len(report.compensated)} charge(s); now at checkpoint {agent.head}, "

@@ -8,14 +8,25 @@ exactly-once calls possible::
     POST /charge  {"request_id", "amount", "order"}   201 new charge, 200 the same
                                                      request seen before (not charged
                                                      again); 402 declined
-    GET  /charge/<request_id>                        the charge, or 404 (a tool's check)
+    GET  /charge/<request_id>                        the charge, or 404
+    POST /lookup  {"request_id"}                     the same, as a fenced request
+                                                     (a tool's check)
     POST /refund  {"request_id", "charge_request_id"}  201, or 200 for a refund seen
                                                      before; 404 no such charge; 409
                                                      refunded already under another id
     GET  /stats                                      {"charges", "total", "refunded",
                                                      "net", "posts", "refunds"}
+    GET  /fences                                     {"fences": {scope: token}, "refused"}
     POST /control {"fail": [...], "decline": [...], "hang": [...]}
                                                      faults by order number, for tests
+
+Every POST but /control may carry ``"fence": {"scope", "token"}``: the agent
+thread it is made for and its lease's fencing token. A request whose token
+is older than the newest the service has seen for its scope is refused (409,
+``"fenced": true``) without effect, in the same transaction that would have
+made it: an agent host that lost its lease (paused, cut off) and wakes
+cannot charge, look up or refund for a thread another host took over, and a
+lookup that finds no charge, made under the newer token, is final.
 
 Faults (also as options): *fail* answers 500 to a charge of that order
 without charging; *decline* answers 402 (a permanent refusal); *hang* holds
@@ -59,7 +70,15 @@ CREATE TABLE IF NOT EXISTS counters (
     name TEXT PRIMARY KEY,
     value INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS fences (
+    scope TEXT PRIMARY KEY,
+    token INTEGER NOT NULL
+);
 """
+
+
+class StaleFence(Exception):
+    """A request under an older fencing token than one seen for its scope."""
 
 
 class Ledger:
@@ -84,36 +103,69 @@ class Ledger:
         return {"request_id": row[0], "order": row[1], "amount": row[2], "created": row[3],
                 "refunded": row[4] is not None}
 
-    def charge(self, request_id: str, amount: int, order: int) -> tuple[dict, bool]:
-        """The charge for ``request_id``, made now unless it exists: (charge, new)."""
+    def _fence(self, fence: tuple[str, int] | None) -> None:
+        """Admit a request under ``fence`` (scope, token), raising the scope's
+        token to it, or refuse one older than the scope's (``StaleFence``)."""
+        if fence is None:
+            return
+        scope, token = fence
+        row = self.db.execute("SELECT token FROM fences WHERE scope = ?", (scope,)).fetchone()
+        if row is not None and token < row[0]:
+            raise StaleFence(f"fencing token {token} of {scope} is older than {row[0]}, "
+                             f"seen already: refused")
+        self.db.execute("INSERT INTO fences (scope, token) VALUES (?, ?) ON CONFLICT(scope) "
+                        "DO UPDATE SET token = MAX(token, excluded.token)", (scope, token))
+
+    def _transaction(self, fence, work):
+        """``work()`` in one write transaction, admitted by ``fence`` first; a
+        refused request changes nothing but the count of refusals."""
         with self.lock:
             self.db.execute("BEGIN IMMEDIATE")
             try:
-                self._count("posts")
-                existing = self._charge(request_id)
-                if existing is None:
-                    self.db.execute("INSERT INTO charges (request_id, order_no, amount, created) "
-                                    "VALUES (?, ?, ?, ?)", (request_id, order, amount, time.time()))
+                self._fence(fence)
+                result = work()
+            except StaleFence:
+                self.db.execute("ROLLBACK")
+                self.db.execute("INSERT INTO counters (name, value) VALUES ('refused', 1) "
+                                "ON CONFLICT(name) DO UPDATE SET value = value + 1")
+                raise
             except BaseException:
                 self.db.execute("ROLLBACK")
                 raise
             self.db.execute("COMMIT")
+            return result
+
+    def charge(self, request_id: str, amount: int, order: int,
+               fence: tuple[str, int] | None = None) -> tuple[dict, bool]:
+        """The charge for ``request_id``, made now unless it exists: (charge, new)."""
+        def work():
+            self._count("posts")
+            existing = self._charge(request_id)
+            if existing is None:
+                self.db.execute("INSERT INTO charges (request_id, order_no, amount, created) "
+                                "VALUES (?, ?, ?, ?)", (request_id, order, amount, time.time()))
             return (existing or self._charge(request_id)), existing is None
 
-    def get(self, request_id: str):
-        with self.lock:
-            return self._charge(request_id)
+        return self._transaction(fence, work)
 
-    def refund(self, request_id: str, charge_request_id: str) -> tuple[int, dict]:
+    def get(self, request_id: str, fence: tuple[str, int] | None = None):
+        """The charge for ``request_id`` or None; under ``fence``, a lookup
+        that from now on refuses the older tokens of its scope."""
+        if fence is None:
+            with self.lock:
+                return self._charge(request_id)
+        return self._transaction(fence, lambda: self._charge(request_id))
+
+    def refund(self, request_id: str, charge_request_id: str,
+               fence: tuple[str, int] | None = None) -> tuple[int, dict]:
+        return self._transaction(fence, lambda: self._refund(request_id, charge_request_id))
+
+    def fences(self) -> dict:
         with self.lock:
-            self.db.execute("BEGIN IMMEDIATE")
-            try:
-                status, body = self._refund(request_id, charge_request_id)
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
-            self.db.execute("COMMIT")
-            return status, body
+            refused = self.db.execute("SELECT value FROM counters WHERE name = 'refused'"
+                                      ).fetchone()
+            return {"fences": dict(self.db.execute("SELECT scope, token FROM fences")),
+                    "refused": refused[0] if refused else 0}
 
     def _refund(self, request_id: str, charge_request_id: str) -> tuple[int, dict]:
         seen = self.db.execute("SELECT charge_request_id FROM refunds WHERE request_id = ?",
@@ -193,6 +245,8 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(200, ledger.stats())
         if self.path == "/control":
             return self._send(200, self.server.faults.get())
+        if self.path == "/fences":
+            return self._send(200, ledger.fences())
         m = re.fullmatch(r"/charge/([A-Za-z0-9:_.-]+)", self.path)
         if m:
             charge = ledger.get(m.group(1))
@@ -204,20 +258,29 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):  # noqa: N802 - http.server's name
         try:
             body = self._body()
-            if self.path == "/charge":
-                return self._post_charge(str(body["request_id"]), int(body["amount"]),
-                                         int(body["order"]))
-            if self.path == "/refund":
-                status, answer = self.server.ledger.refund(str(body["request_id"]),
-                                                           str(body["charge_request_id"]))
-                return self._send(status, answer)
+            ledger = self.server.ledger
             if self.path == "/control":
                 return self._send(200, self.server.faults.set(body))
+            fence = _fence_of(body)
+            if self.path == "/charge":
+                return self._post_charge(str(body["request_id"]), int(body["amount"]),
+                                         int(body["order"]), fence)
+            if self.path == "/lookup":
+                charge = ledger.get(str(body["request_id"]), fence)
+                if charge is None:
+                    return self._send(404, {"error": f"no charge {body['request_id']}"})
+                return self._send(200, charge)
+            if self.path == "/refund":
+                status, answer = ledger.refund(str(body["request_id"]),
+                                               str(body["charge_request_id"]), fence)
+                return self._send(status, answer)
             return self._send(404, {"error": f"no route {self.path}"})
+        except StaleFence as e:
+            return self._send(409, {"error": str(e), "fenced": True})
         except (KeyError, ValueError, TypeError) as e:
             return self._send(400, {"error": f"bad request: {e!r}"})
 
-    def _post_charge(self, request_id: str, amount: int, order: int):
+    def _post_charge(self, request_id: str, amount: int, order: int, fence):
         faults = self.server.faults
         while order in faults.hang:
             time.sleep(0.05)
@@ -227,8 +290,18 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(500, {"error": f"order {order}: internal error (injected)"})
         if amount <= 0:
             return self._send(400, {"error": "amount must be positive"})
-        charge, new = self.server.ledger.charge(request_id, amount, order)
+        charge, new = self.server.ledger.charge(request_id, amount, order, fence)
         return self._send(201 if new else 200, charge)
+
+
+def _fence_of(body: dict) -> tuple[str, int] | None:
+    """A request's fence, (scope, token), or None if it carries none."""
+    fence = body.get("fence")
+    if fence is None:
+        return None
+    if not isinstance(fence, dict) or not isinstance(fence.get("token"), int):
+        raise ValueError("a fence is {\"scope\": THREAD, \"token\": INTEGER}")
+    return str(fence["scope"]), fence["token"]
 
 
 class ChargeServer(ThreadingHTTPServer):

@@ -537,6 +537,167 @@ def test_a_tool_that_fails_may_have_taken_effect_unless_it_says_not(setup):
     assert len(attempts) == 3 and sorted(bank.charges.values()) == [10, 20]
 
 
+class Ledger:
+    """A payment service that keeps every charge, refunded or not, under its
+    request id; ``dedup``: a request id charged already is not charged again.
+    A request that carries a fence is refused (``FencedOff``) if its token is
+    older than one seen for its scope."""
+
+    def __init__(self, dedup: bool):
+        self.dedup = dedup
+        self.made: list[tuple[str, int]] = []    # every charge made, in order
+        self.refunded: set[str] = set()
+        self.tokens: dict[str, int] = {}
+
+    def _admit(self, fence):
+        if fence is None:
+            return
+        if fence.token < self.tokens.get(fence.scope, 0):
+            raise agent_module.FencedOff(f"token {fence.token} is older than "
+                                         f"{self.tokens[fence.scope]}")
+        self.tokens[fence.scope] = fence.token
+
+    def run(self, args, rid, fence=None):
+        self._admit(fence)
+        if not (self.dedup and any(r == rid for r, _ in self.made)):
+            self.made.append((rid, args["amount"]))
+        return {"charge": rid, "amount": args["amount"]}
+
+    def check(self, rid, fence=None):
+        self._admit(fence)
+        found = [a for r, a in self.made if r == rid]
+        return {"charge": rid, "amount": found[0]} if found else NOT_APPLIED
+
+    def refund(self, args, result, undo_id, fence=None):
+        self._admit(fence)
+        self.refunded.add(result["charge"])
+
+    def net(self) -> int:
+        return sum(a for r, a in self.made if r not in self.refunded)
+
+
+LEDGER_TOOLS = {
+    # The service refuses older tokens: its lookup settles the call, even
+    # for a tool that is not idempotent.
+    "fenced": (False, {"fenced": True}),
+    # Not fenced, but it deduplicates by request id: retried under it.
+    "idempotent": (True, {"idempotent": True}),
+    # Neither: nothing can settle a call another host may still be making.
+    "check only": (False, {}),
+}
+
+
+@pytest.mark.parametrize("rewind", [False, True], ids=["resume", "rewind"])
+@pytest.mark.parametrize("kind", list(LEDGER_TOOLS))
+def test_a_call_left_in_flight_by_a_host_that_lost_its_lease(setup, monkeypatch, kind, rewind):
+    """Host A journals a charge's intent and stops (paused) before making it;
+    its lease lapses and this host takes the thread over, resumes or rewinds
+    it to its head, and goes on; then A wakes and makes its charge. The
+    service ends with the one charge ordered (net 10) for a fenced or an
+    idempotent tool; a tool that is neither says it cannot settle the call."""
+    import threading
+
+    store, _, _ = setup
+    dedup, options = LEDGER_TOOLS[kind]
+    ledger = Ledger(dedup)
+
+    def tools():
+        return [Tool("charge", run=ledger.run, check=ledger.check, compensate=ledger.refund,
+                     **options)]
+
+    stopped, wake, outcome = threading.Event(), threading.Event(), {}
+
+    def trace(point):
+        if point == "call.intent" and not stopped.is_set():
+            stopped.set()
+            assert wake.wait(60)
+
+    def host_a():
+        a = Agent(store, "t", tools=tools(), trace=trace, lease=0.0)
+        try:
+            with a.step("pay") as s:
+                s.call("charge", {"amount": 10})
+        except BaseException as e:   # noqa: BLE001 - what A ran into is the outcome
+            outcome["a"] = e
+        finally:
+            a.db.close()             # paused, then gone: it never lets go itself
+
+    # Host A: an owner on another host, whose lease (0 s) lapses at once.
+    monkeypatch.setattr(agent_module, "process_owner", lambda host=None: "host-a:1:1")
+    a_thread = threading.Thread(target=host_a)
+    a_thread.start()
+    try:
+        assert stopped.wait(60)
+        monkeypatch.undo()
+        b = Agent(store, "t", tools=tools())
+        try:
+            if rewind:
+                report = b.rewind(b.head)
+                if kind == "check only":
+                    assert len(report.uncompensable) == 1
+                    assert "in doubt" in report.uncompensable[0]
+            if kind == "check only" and not rewind:
+                with pytest.raises(InDoubt, match="may still be running"):
+                    with b.step("pay") as s:
+                        s.call("charge", {"amount": 10})
+            else:
+                with b.step("pay") as s:
+                    s.call("charge", {"amount": 10})
+        finally:
+            b.close()
+    finally:
+        wake.set()
+        a_thread.join(60)
+    # A's next step after waking is refused: by the service (fenced) or by
+    # the journal (its result is not recorded over what B settled).
+    assert isinstance(outcome.get("a"), agent_module.ThreadBusy), outcome
+    if kind != "check only":
+        assert ledger.net() == 10, ledger.made
+    journal = AgentDB(store).journal("t")
+    a_call = journal[0]
+    assert a_call.owner == "host-a:1:1/1"
+    if kind == "check only":
+        if rewind:
+            # Reported, not hidden: A's charge came after a rewind that could
+            # not know of it.
+            assert a_call.status == "uncompensable" and ledger.net() == 20
+        else:
+            # A made it after all; the next holder's lookup finds it.
+            with Agent(store, "t", tools=tools()) as c:
+                with c.step("pay") as s:
+                    s.call("charge", {"amount": 10})
+            assert ledger.net() == 10 and len(ledger.made) == 1
+        return
+    if kind == "fenced":
+        assert "older fencing token 1" in a_call.settled
+        assert len(ledger.made) == 1     # A's request was refused, not deduplicated
+    else:
+        assert a_call.settled.startswith("retried under its request id")
+    assert a_call.status == ("compensated" if rewind else "done")
+
+
+def test_a_process_whose_lease_was_taken_over_records_no_result(setup):
+    """The journal's writes after an intent are fenced like the intent."""
+    store, _, _ = setup
+    bank = Bank()
+    a = Agent(store, "t", tools=bank.tools(), lease=0.0)
+    try:
+        a.checkpoint("start")
+        rid = agent_module.request_id(a.head, 0)
+        a.db.record_intent(rid, "t", a.owner, base=a.head, position=0, tool="charge",
+                           args=a.codec.encode({}, f"journal {rid} args"), compensable=True,
+                           external=True)
+        with Agent(store, "t", tools=bank.tools()):
+            for write in (lambda: a.calls._record(rid, "done", {"charge": rid}),
+                          lambda: a.db.forget_intent(rid, owner=a.owner),
+                          lambda: a.db.update_call(rid, status="compensated", owner=a.owner)):
+                with pytest.raises(ThreadBusy, match="fencing token 1"):
+                    write()
+        assert [e.status for e in AgentDB(store).journal("t")] == ["intent"]
+    finally:
+        a.db.close()
+
+
 @pytest.mark.parametrize("ttl", [-1, -0.001, float("nan"), float("inf"), "soon"])
 def test_a_negative_or_endless_ttl_is_refused(setup, ttl):
     from blockdiff.errors import UsageError
@@ -722,6 +883,8 @@ def test_an_agent_database_made_before_the_db_layer_is_adopted_as_it_is(setup):
     raw.execute("ALTER TABLE checkpoints DROP COLUMN environment")
     raw.execute("DROP TABLE environments")
     raw.execute("ALTER TABLE threads DROP COLUMN lease_token")
+    raw.execute("ALTER TABLE journal DROP COLUMN owner")
+    raw.execute("ALTER TABLE journal DROP COLUMN settled")
     raw.execute("PRAGMA user_version = 1")
     raw.close()
     with Agent(store, "t", disk=disk, tools=bank.tools()) as a:

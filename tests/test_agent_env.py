@@ -210,6 +210,8 @@ def test_a_database_made_before_environments_migrates(store):
     raw.execute("ALTER TABLE checkpoints DROP COLUMN environment")
     raw.execute("DROP TABLE environments")
     raw.execute("ALTER TABLE threads DROP COLUMN lease_token")
+    raw.execute("ALTER TABLE journal DROP COLUMN owner")
+    raw.execute("ALTER TABLE journal DROP COLUMN settled")
     raw.execute("UPDATE schema_versions SET version = 2 WHERE name = 'agent'")
     raw.execute("PRAGMA user_version = 2")
     raw.close()
@@ -380,7 +382,7 @@ def test_agent_diff_takes_prefixes_and_refuses_unknown_ids(store, monkeypatch):
                                  "after": shown["state"][0]["after"]}
     assert [set(c) for c in shown["calls_b"]] == [
         {"request_id", "thread", "base", "position", "tool", "status", "started", "finished",
-         "compensable", "external", "error"}] * 2
+         "compensable", "external", "error", "owner", "settled"}] * 2
     message = error_line("agent", "diff", "--store", store.root, ids[0], "ffff", code=10)
     assert "no checkpoint 'ffff'" in message
     error_line("agent", "diff", "--store", store.root, "nothex", ids[0], code=10)

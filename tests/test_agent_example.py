@@ -106,16 +106,17 @@ class Service:
 
 
 class Env:
-    def __init__(self, root: Path, service: Service):
+    def __init__(self, root: Path, service: Service, orders: int = ORDERS):
         self.root = root
         self.store_dir = root / "store"
         self.disk = root / "disk.img"
         self.service = service
+        self.orders = orders
 
     def command(self, *extra: str, thread: str = THREAD) -> list[str]:
         return [sys.executable, "-m", "examples.agent_example", "--store", str(self.store_dir),
                 "--disk", str(self.disk), "--service", self.service.url, "--thread", thread,
-                "--orders", str(ORDERS), *extra]
+                "--orders", str(self.orders), *extra]
 
     def agent(self, *extra: str, thread: str = THREAD) -> subprocess.CompletedProcess:
         return subprocess.run(self.command(*extra, thread=thread), cwd=ROOT, env=ENV,
@@ -239,7 +240,7 @@ def check_consistent(env: Env, steps=ALL_CHARGED, *, exact_posts: bool = True) -
     assert [m["content"].split(" (")[0] for m in messages] == [
         f"charged order {n}: {AMOUNTS[n]} cents" if what == "charged" else f"skipped order {n}"
         for n, what in steps]
-    assert state["cursor"] == ORDERS
+    assert state["cursor"] == len(steps)
     assert [d["order"] for d in state["done"]] == charged
     assert state["total"] == sum(AMOUNTS[n] for n in charged)
     assert state["awaiting_approval"] is None

@@ -694,7 +694,7 @@ def test_agent_records_round_trip_sealed_and_in_the_clear(xfs, postgres_url):
                 db.record_intent("r-" + thread, thread, owner, base=checkpoint_id,
                                  position=0, tool="charge", args=b"\x00args", compensable=True,
                                  external=True)
-                db.record_result("r-" + thread, "done", b"\x00result")
+                db.record_result("r-" + thread, "done", b"\x00result", owner=owner)
                 found = db.checkpoint(checkpoint_id[:6])
                 assert found.meta == {"note": thread} and db.load(checkpoint_id) == (
                     {"s": 1}, [{"m": thread}])

@@ -4,7 +4,10 @@ store directories on two XFS filesystems, separate processes, one shared
 catalog, one bucket of a real SeaweedFS S3 server). A run killed on host A
 at every point of the step protocol is finished on host B with exactly one
 charge per order and the disk byte for byte; a run merely paused on A while
-B takes the thread over is refused its next write by the fencing token."""
+B takes the thread over is refused its next write by the fencing token; and
+a run stopped (SIGSTOP) on A at every point of the step protocol while B
+takes the thread over, with and without a rewind, then continued, leaves
+exactly one charge per order at the service."""
 
 from __future__ import annotations
 
@@ -18,10 +21,12 @@ import uuid
 import objectstore
 import pytest
 from test_agent_example import (
+    AMOUNTS,
     CRASHES,
     DISK_SIZE,
     ENV,
     ROOT,
+    THREAD,
     Env,
     Service,
     _wait_for_line,
@@ -183,3 +188,106 @@ def test_a_thread_held_on_one_host_is_refused_on_another_until_its_lease_ends(tw
                 taker.close()
         finally:
             holder.close()     # its lease is gone: releasing it changes nothing
+
+
+# ------------------------------------------ a host paused while another takes over
+
+# Each point of the step protocol a run of two orders passes, and which pass
+# stops host A: by default the one in order 2's step (order 1 charged
+# before it); BLOCKDIFF_STOP_SWEEP=full stops at every pass (order 1's, and
+# the thread's first checkpoint) as well.
+STOP_ORDERS = 2
+STOP_PASSES = {"sandbox.partial": (1, 2), "sandbox.written": (1, 2), "call.intent": (1, 2),
+               "call.ran": (1, 2), "call.recorded": (1, 2), "checkpoint.disk": (1, 2, 3),
+               "checkpoint.recorded": (1, 2, 3)}
+_FULL = os.environ.get("BLOCKDIFF_STOP_SWEEP") == "full"
+STOPS = [(point, n, rewind) for point, passes in STOP_PASSES.items()
+         for n in (passes if _FULL else passes[-1:]) for rewind in (False, True)
+         # Stopped before its first checkpoint, the thread has nothing to rewind.
+         if not (rewind and point.startswith("checkpoint.") and n == 1)]
+
+
+def _wait_stopped(proc: subprocess.Popen, log, timeout: float = 120) -> None:
+    """Wait until ``proc`` has stopped itself (its state in /proc is T)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"host A exited ({proc.returncode}) before it stopped: "
+                        f"{log.read_text()}")
+        with open(f"/proc/{proc.pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.05)
+    pytest.fail(f"host A did not stop: {log.read_text()}")
+
+
+def _wait_lease_lapsed(env: Env, timeout: float = 60) -> None:
+    """Wait until the thread's lease, as the shared records have it, has
+    lapsed: what another host's acquisition compares."""
+    with Store(env.store_dir) as store, AgentDB(store) as db:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            until = db.db.execute("SELECT lease_until FROM threads WHERE id = ?",
+                                  (THREAD,)).fetchone()[0]
+            if until is None or until < time.time():
+                return
+            time.sleep(0.05)
+    pytest.fail("host A's lease did not lapse")
+
+
+@pytest.mark.parametrize("catalog", ["postgresql"], indirect=True)
+@pytest.mark.parametrize("point,n,rewind", STOPS,
+                         ids=[f"{p}:{n}-{'rewind' if r else 'resume'}" for p, n, r in STOPS])
+def test_a_host_stopped_at_every_point_charges_nothing_twice(two_hosts, point, n, rewind):
+    """Host A stops (SIGSTOP) at a point of the step protocol; its lease
+    lapses; host B takes the thread over, rewinds it to where it resumes or
+    not, and finishes it; then A is continued. Whatever A had under way
+    (an intent journalled, a charge made and not recorded, a checkpoint not
+    recorded), the service holds exactly one live charge per order: B settles
+    A's call under its request id, the service refuses A's older fencing
+    token, and the journal refuses A's writes: A stops with exit 4 at its
+    next write."""
+    a, b = two_hosts
+    a.orders = b.orders = STOP_ORDERS
+    log = a.root / "host-a.log"
+    with open(log, "wb") as out:
+        paused = subprocess.Popen(a.command("--stop-at", f"{point}:{n}", "--lease", "1"),
+                                  cwd=ROOT, env=agent_env(), stdout=out,
+                                  stderr=subprocess.STDOUT)
+    try:
+        _wait_stopped(paused, log)
+        _wait_lease_lapsed(b)
+        if rewind:
+            rewound = run(b, "--rewind-to", "head")
+            assert rewound.returncode == 0, describe(rewound)
+        finished = run(b)
+        assert finished.returncode == 0, describe(finished)
+        os.kill(paused.pid, signal.SIGCONT)
+        paused.wait(timeout=180)
+    finally:
+        if paused.poll() is None:
+            paused.kill()
+            paused.wait()
+    said = log.read_text()
+    assert "Traceback" not in said, said
+    if point == "checkpoint.recorded" and n == STOP_PASSES[point][-1]:
+        # Stopped after its last checkpoint, A has nothing left to write:
+        # it says it is done and lets go of a thread it no longer holds.
+        assert paused.returncode == 0, said
+    else:
+        assert paused.returncode == 4 and "fencing token" in said, said
+    # The service's own records: one live charge per order, of its amount.
+    orders = range(1, STOP_ORDERS + 1)
+    live = [c for c in a.service.charges() if not c[3]]
+    assert sorted(order for _, order, _, _ in live) == list(orders), a.service.charges()
+    assert a.service.stats()["net"] == sum(AMOUNTS[o] for o in orders)
+    check_consistent(b, [(o, "charged") for o in orders], exact_posts=False)
+    with Store(b.store_dir) as store, AgentDB(store) as db:
+        journal = db.journal(THREAD)
+    if point in ("call.intent", "call.ran"):
+        # B found A's call in doubt and says how it settled it.
+        (settled,) = [e for e in journal if e.settled]
+        assert settled.owner.endswith("/1") and settled.settled.startswith("looked up by ")
+        assert ("took effect" in settled.settled) == (point == "call.ran"), settled
+        if not rewind:
+            assert settled.status == "done"

@@ -10,8 +10,10 @@ go back to the head, the step runs again, and its tool calls are matched
 with the journal by *request id* — ``hash(head checkpoint, position of the
 call in the step)``, never the call's arguments, which a model may phrase
 differently the second time. A call the journal records as done returns its
-recorded result without running; a call that was in flight is settled by
-asking the tool whether that request id took effect before it is retried.
+recorded result without running; a call that was in flight (its process
+died, or lost its lease and may still be running on another host) is
+settled under that same request id before the step goes on: looked up,
+retried under it, or refused as in doubt (:mod:`blockdiff.agent.calls`).
 
 Commands that act on the sandbox disk need no journal: the disk goes back
 with the state, so running them again is correct. Tools with effects outside
@@ -24,13 +26,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
+from blockdiff.agent.calls import (
+    NOT_APPLIED,
+    Fence,
+    FencedOff,
+    NotApplied,
+    Tool,
+    ToolCalls,
+    request_id,
+)
 from blockdiff.agent.diff import Change, environment_changes
 from blockdiff.agent.disks import Disk, bound_disk, disk_binding, fork_disk
 from blockdiff.agent.model import (
@@ -65,7 +74,8 @@ from blockdiff.store.store import Store, as_store
 __all__ = [
     "DEFAULT_LEASE", "NOT_APPLIED", "TRACE_POINTS", "Agent", "AgentDB", "AgentError",
     "AmbiguousCheckpoint", "Approval", "ApprovalPending", "Checkpoint", "CheckpointResult",
-    "Compensation", "Environment", "EnvironmentChanged", "InDoubt", "NotApplied", "Step",
+    "Compensation", "Environment", "EnvironmentChanged", "Fence", "FencedOff", "InDoubt",
+    "NotApplied", "Step",
     "ThreadBusy", "ThreadFailed", "Tool", "ToolFailed", "UnknownCheckpoint", "UnknownThread",
     "bound_disk", "disk_binding", "fork_thread", "request_id", "rewind_thread",
 ]
@@ -86,13 +96,8 @@ TRACE_POINTS = (
     "compensation.intent",  # a compensation is journalled; it has not run
     "compensation.ran",     # it ran; the journal does not say so yet
 )
-NOT_APPLIED = object()  # a tool's check: "that request never took effect"
-
-
-class NotApplied(Exception):
-    """Raised by a tool whose call failed without taking effect (a declined
-    payment, a rejected request). Any other exception leaves the call in
-    doubt, to be settled before it is retried."""
+def _new_id() -> str:
+    return os.urandom(8).hex()
 
 
 class ApprovalPending(Exception):
@@ -104,40 +109,6 @@ class ApprovalPending(Exception):
         super().__init__(f"thread {thread} waits for approval of {json.dumps(action)}; "
                          f"approve or reject it with: blockdiff agent approve|reject {thread}")
         self.thread, self.approval_id, self.action = thread, approval_id, action
-
-
-@dataclass(frozen=True)
-class Tool:
-    """Something an agent calls with effects the journal must account for.
-
-    ``run(args, request_id)`` does it and returns a JSON-serialisable result,
-    or raises :class:`NotApplied` when it failed without taking effect;
-    passing ``request_id`` on as an idempotency key is what makes retries safe.
-    ``check(request_id)`` tells whether a request took effect: its result, or
-    :data:`NOT_APPLIED`. ``compensate(args, result, request_id)`` undoes it.
-    ``external``: effects outside the sandbox (False: a disk restore undoes
-    them, and the call is simply run again on replay). ``idempotent``: running
-    a request id twice has the effect of once. ``high_risk``: only as the
-    first action of a step, so that the step's start is the checkpoint right
-    before it. ``version``: recorded in the environment of each checkpoint."""
-
-    name: str
-    run: Callable
-    check: Callable | None = None
-    compensate: Callable | None = None
-    external: bool = True
-    idempotent: bool = False
-    high_risk: bool = False
-    version: str | None = None
-
-
-def _new_id() -> str:
-    return os.urandom(8).hex()
-
-
-def request_id(base: str, position: int, kind: str = "call") -> str:
-    """The id of the ``position``-th call of the step that began at ``base``."""
-    return hashlib.sha256(f"{base}/{kind}/{position}".encode()).hexdigest()[:32]
 
 
 def _disk_snapshot(disk: Disk | None, thread_id: str, reason: str,
@@ -220,6 +191,9 @@ class Agent:
         except BaseException:
             self.db.close()
             raise
+        self.calls = ToolCalls(self.db, self.codec, thread_id, self.owner, tools=self.tools,
+                               lease=lease, trace=self.trace,
+                               before_external=self._make_durable)
         try:
             self._disk_stores = self._shared_disk_stores()
             for disk_store in self._disk_stores:
@@ -505,129 +479,15 @@ class Agent:
 
     # --------------------------------------------------------- the journal
 
-    def _call(self, base: str, position: int, tool_name: str, args: dict):
-        tool = self.tools.get(tool_name)
-        if tool is None:
-            raise UsageError(f"no tool named {tool_name!r} was given to this agent")
-        rid = request_id(base, position)
-        recorded = self.db.call(rid)
-        if recorded is not None:
-            if recorded.tool != tool_name:
-                raise AgentError(f"the step's call #{position} was {recorded.tool} and is now "
-                                 f"{tool_name}: the step is not deterministic, so its journal "
-                                 f"cannot be replayed")
-            if recorded.status == "done":
-                return self.codec.decode(recorded.result, f"journal {rid}")
-            if recorded.status in ("compensating", "compensated", "uncompensable"):
-                raise AgentError(f"call {rid} ({tool_name}) was compensated; rewind the thread "
-                                 f"to continue")
-            if recorded.status == "intent":
-                settled = self._settle(tool, rid, args)
-                if settled is not NOT_APPLIED:
-                    return settled
-        else:
-            if tool.external:
-                self._make_durable(base)
-            self.db.record_intent(rid, self.thread_id, self.owner, base=base, position=position,
-                                  tool=tool_name,
-                                  args=self.codec.encode(args, f"journal {rid} args"),
-                                  compensable=tool.compensate is not None,
-                                  external=tool.external)
-            self.trace("call.intent")
-        return self._run(tool, rid, args)
-
-    def _settle(self, tool: Tool, rid: str, args: dict):
-        """A call in flight when its process died: find out before retrying."""
-        if not tool.external or tool.idempotent:
-            return NOT_APPLIED
-        if tool.check is None:
-            raise InDoubt(f"{tool.name} request {rid} was in flight when its process died and "
-                          f"the tool cannot say whether it took effect; give the tool a check "
-                          f"or make it idempotent")
-        result = tool.check(rid)
-        if result is NOT_APPLIED:
-            return NOT_APPLIED
-        self._record(rid, "done", result)
-        return result
-
-    def _run(self, tool: Tool, rid: str, args: dict):
-        try:
-            result = tool.run(args, rid)
-        except NotApplied as e:
-            # The tool says it did nothing: the call is as if never made.
-            self.db.forget_intent(rid)
-            raise ToolFailed(f"{tool.name} failed: {e}") from e
-        except Exception as e:
-            # Any other failure (a timeout, a lost answer) may have taken
-            # effect: the intent stays, and the step's next run settles it
-            # (check, idempotent retry, or InDoubt) before calling again.
-            raise ToolFailed(f"{tool.name} failed: {e}") from e
-        self.trace("call.ran")
-        self._record(rid, "done", result)
-        self.trace("call.recorded")
-        return result
-
-    def _record(self, rid: str, status: str, result) -> None:
-        self.db.record_result(rid, status, self.codec.encode(result, f"journal {rid}"))
-
-    # ------------------------------------------------------ compensation
+    @property
+    def fence(self) -> Fence:
+        """The lease this agent holds the thread under, as a fenced tool passes it on."""
+        return self.calls.fence
 
     def run_pending_compensations(self) -> Compensation:
-        """Run the compensations a rewind or a failure left pending (newest
-        first); each is journalled and passes the tool the same undo id every
-        time, so one interrupted and run again takes effect once."""
-        report = Compensation()
-        for call in self.db.pending_undo(self.thread_id):
-            rid, tool_name = call.request_id, call.tool
-            tool = self.tools.get(tool_name)
-            context = f"journal {rid}"
-            if not call.external:
-                self.db.set_call_undo(rid, "restored with the disk")
-                continue
-            if not call.compensable:
-                self.db.set_call_status(rid, "uncompensable")
-                report.uncompensable.append(f"{tool_name} {rid}")
-                continue
-            if tool is None:
-                report.pending.append(f"{tool_name} {rid}")
-                continue
-            args = self.codec.decode(call.args, context + " args")
-            result = self.codec.decode(call.result, context) if call.result else None
-            if call.status == "intent":
-                settled = self._settle_for_undo(tool, rid, args)
-                if settled is None:
-                    self.db.set_call_status(rid, "uncompensable")
-                    report.uncompensable.append(f"{tool_name} {rid} (in doubt: the tool "
-                                                f"cannot say whether it took effect)")
-                    continue
-                if settled is NOT_APPLIED:
-                    self.db.set_call_undo(rid, "never took effect")
-                    self.db.set_call_status(rid, "compensated")
-                    continue
-                result = settled
-            self.db.set_call_status(rid, "compensating")
-            self.trace("compensation.intent")
-            tool.compensate(args, result, rid + ":undo")
-            self.trace("compensation.ran")
-            self.db.set_call_status(rid, "compensated")
-            self.db.set_call_undo(rid, "done")
-            report.compensated.append(f"{tool_name} {rid}")
-        return report
-
-    def _settle_for_undo(self, tool: Tool, rid: str, args: dict):
-        """A call in flight when its process died, about to be undone: its
-        result if it took effect, NOT_APPLIED if not, None if nobody can say.
-        An idempotent tool without a check is run again under the same id,
-        which takes effect once, to learn the result to compensate."""
-        if tool.check is not None:
-            result = tool.check(rid)
-        elif tool.idempotent:
-            result = tool.run(args, rid)
-        else:
-            return None
-        if result is not NOT_APPLIED:
-            self._record(rid, "done", result)
-        return result
+        """Run the compensations a rewind or a failure left pending (see
+        :meth:`ToolCalls.compensate_pending`)."""
+        return self.calls.compensate_pending()
 
     # ------------------------------------------------------- time travel
 
@@ -666,8 +526,8 @@ class Agent:
         if not history:
             return Compensation()
         target = to or history[-1].id
-        self.db.mark_failing(self.thread_id, self.db.effects_since(self.thread_id, self.head,
-                                                                    target))
+        self.db.mark_failing(self.thread_id, self.owner,
+                             self.db.effects_since(self.thread_id, self.head, target))
         self.trace("rewind.marked")
         report = self.run_pending_compensations()
         self.close("failed")
@@ -721,7 +581,7 @@ class Step:
         self.calls += 1
         if definition is not None and definition.external:
             self.external_calls += 1
-        return self.agent._call(self.base, position, tool, args or {})
+        return self.agent.calls.call(self.base, position, tool, args or {})
 
     def __exit__(self, exc_type, exc, tb) -> None:
         agent = self.agent

@@ -1,10 +1,11 @@
 """The agent's records and all their SQL: threads and their leases, agent
 checkpoints, the tool-call journal and approvals, in ``<store>/agent.sqlite``
 beside the store's catalog. :mod:`blockdiff.agent.agent` builds the
-``Agent``/``Step`` API on top and executes no SQL of its own.
+``Agent``/``Step`` API on top, and :mod:`blockdiff.agent.calls` the journal
+of its tool calls; neither executes SQL of its own.
 
 Every method that changes records is one transaction. Those that write for
-a thread a process holds (a checkpoint, a journal intent, a lease renewal)
+a thread a process holds (a checkpoint, a journal entry, a lease renewal)
 take that process's ``owner`` and check it under the write lock: a process
 whose lease was taken over stops instead of writing over the new holder."""
 
@@ -130,6 +131,13 @@ MIGRATIONS = [
     """
     ALTER TABLE threads ADD COLUMN lease_token INTEGER NOT NULL DEFAULT 0;
     """,
+    # Who journalled a call's intent (the lease's owner value, fencing token
+    # included), so that a process settling the call knows whether the one
+    # that made it may still be running; and how an in-doubt call was settled.
+    """
+    ALTER TABLE journal ADD COLUMN owner TEXT;
+    ALTER TABLE journal ADD COLUMN settled TEXT;
+    """,
 ]
 # The same versions on PostgreSQL: BIGINT for INTEGER, DOUBLE PRECISION for
 # times, BYTEA for BLOB, text compared byte by byte (COLLATE "C") as SQLite's
@@ -213,6 +221,10 @@ POSTGRESQL_MIGRATIONS = [
     """,
     """
     ALTER TABLE threads ADD COLUMN lease_token BIGINT NOT NULL DEFAULT 0;
+    """,
+    """
+    ALTER TABLE journal ADD COLUMN owner TEXT COLLATE "C";
+    ALTER TABLE journal ADD COLUMN settled TEXT COLLATE "C";
     """,
 ]
 # Agent databases made before the db layer count their migrations in
@@ -335,6 +347,8 @@ class JournalEntry:
     compensable: bool
     external: bool
     error: str | None
+    owner: str | None = None     # the lease that journalled the intent (None: not kept then)
+    settled: str | None = None   # how a call in doubt was settled, and by whom
 
 
 @dataclass(frozen=True)
@@ -349,6 +363,7 @@ class JournalCall:
     result: bytes | None
     compensable: bool
     external: bool
+    owner: str | None = None     # the lease that journalled the intent
 
 
 @dataclass(frozen=True)
@@ -415,6 +430,27 @@ def process_owner(host: str | None = None) -> str:
 def _process_of(holder: str) -> str:
     """The process part of an owner value, without its lease's token."""
     return holder.split("/", 1)[0]
+
+
+def lease_token(holder: str | None) -> int:
+    """The fencing token an owner value carries (0: none, as written before
+    tokens were kept)."""
+    token = (holder or "").partition("/")[2]
+    return int(token) if token.isdigit() else 0
+
+
+def may_still_run(holder: str | None, me: str, here: str) -> bool:
+    """Whether the process ``holder`` (an owner value), which journalled a
+    call, may still be making it while ``me`` settles it: it is not this
+    process, and it is not known dead. A process on another host cannot be
+    seen: a lapsed lease says it stopped renewing, not that it stopped (it
+    may be paused, or cut off, and wake). A call journalled before owners
+    were kept (None) may have been made by anyone."""
+    if holder is None:
+        return True
+    if _process_of(holder) == _process_of(me):
+        return False
+    return _owner_alive(holder, here)
 
 
 def _owner_alive(owner: str, here: str) -> bool:
@@ -602,11 +638,12 @@ class AgentDB:
                              f"fencing token {owner.partition('/')[2] or '0'} is no longer the "
                              f"thread's); stopping rather than running it twice")
 
-    def mark_failing(self, thread_id: str, request_ids: Iterable[str]) -> None:
+    def mark_failing(self, thread_id: str, owner: str, request_ids: Iterable[str]) -> None:
         """Mark a failed run's calls to undo and the thread 'failing', in one
         transaction: a process dying during the compensations leaves a thread
         that, opened again, finishes them and ends failed."""
         with self.transaction() as db:
+            self._check_owner(db, thread_id, owner)
             self._mark_undo(db, request_ids)
             db.execute("UPDATE threads SET status = 'failing' WHERE id = ?", (thread_id,))
 
@@ -821,9 +858,9 @@ class AgentDB:
     # ------------------------------------------------------------ journal
 
     _JOURNAL_SELECT = ("SELECT request_id, thread, base, position, tool, status, started, "
-                       "finished, compensable, external, error FROM journal")
-    _CALL_SELECT = ("SELECT request_id, tool, status, args, result, compensable, external "
-                    "FROM journal")
+                       "finished, compensable, external, error, owner, settled FROM journal")
+    _CALL_SELECT = ("SELECT request_id, tool, status, args, result, compensable, external, "
+                    "owner FROM journal")
 
     def journal(self, thread_id: str) -> list[JournalEntry]:
         """Every call ``thread_id`` made, oldest first."""
@@ -833,7 +870,7 @@ class AgentDB:
 
     @staticmethod
     def _entry_from_row(row) -> JournalEntry:
-        return JournalEntry(*row[:8], bool(row[8]), bool(row[9]), row[10])
+        return JournalEntry(*row[:8], bool(row[8]), bool(row[9]), *row[10:])
 
     def calls_at(self, bases: Iterable[str]) -> list[JournalEntry]:
         """The calls made in the steps that began at ``bases`` (in any
@@ -847,7 +884,7 @@ class AgentDB:
 
     @staticmethod
     def _call_from_row(row) -> JournalCall:
-        return JournalCall(*row[:5], bool(row[5]), bool(row[6]))
+        return JournalCall(*row[:5], bool(row[5]), bool(row[6]), row[7])
 
     def call(self, request_id: str) -> JournalCall | None:
         """The journalled call ``request_id``, or None if it was never made."""
@@ -864,33 +901,58 @@ class AgentDB:
             self._check_owner(db, thread_id, owner)
             db.execute(
                 "INSERT INTO journal (request_id, thread, base, position, tool, args, "
-                "status, started, compensable, external) "
-                "VALUES (?, ?, ?, ?, ?, ?, 'intent', ?, ?, ?)",
+                "status, started, compensable, external, owner) "
+                "VALUES (?, ?, ?, ?, ?, ?, 'intent', ?, ?, ?, ?)",
                 (request_id, thread_id, base, position, tool, args, time.time(),
-                 int(compensable), int(external)))
+                 int(compensable), int(external), owner))
 
-    def forget_intent(self, request_id: str) -> None:
+    # Every later write of a call is fenced like its intent: a process whose
+    # lease was taken over while its tool ran (paused, say) must not record
+    # over what the new holder settled.
+
+    def _check_call_owner(self, db, request_id: str, owner: str) -> bool:
+        """Check that ``owner`` holds the thread of call ``request_id``
+        (``ThreadBusy`` if not); False if there is no such call."""
+        row = db.execute("SELECT thread FROM journal WHERE request_id = ?",
+                         (request_id,)).fetchone()
+        if row is None:
+            return False
+        self._check_owner(db, row[0], owner)
+        return True
+
+    def forget_intent(self, request_id: str, *, owner: str) -> None:
         """Drop the intent of a call that failed without taking effect: as if never made."""
         with self.transaction() as db:
-            db.execute("DELETE FROM journal WHERE request_id = ? AND status = 'intent'",
-                       (request_id,))
+            if self._check_call_owner(db, request_id, owner):
+                db.execute("DELETE FROM journal WHERE request_id = ? AND status = 'intent'",
+                           (request_id,))
 
-    def record_result(self, request_id: str, status: str, result: bytes) -> None:
-        """Journal a call's outcome (``result`` as encoded)."""
+    def record_result(self, request_id: str, status: str, result: bytes, *, owner: str,
+                      settled: str | None = None) -> None:
+        """Journal a call's outcome (``result`` as encoded); ``settled``: how
+        a call in doubt came to it (kept with any said before)."""
         with self.transaction() as db:
-            db.execute("UPDATE journal SET status = ?, result = ?, finished = ? "
-                       "WHERE request_id = ?", (status, result, time.time(), request_id))
+            if self._check_call_owner(db, request_id, owner):
+                db.execute("UPDATE journal SET status = ?, result = ?, finished = ?, "
+                           "settled = COALESCE(?, settled) WHERE request_id = ?",
+                           (status, result, time.time(), settled, request_id))
 
-    def set_call_status(self, request_id: str, status: str) -> None:
-        """Where a call's compensation stands: compensating, compensated, uncompensable."""
-        with self.transaction() as db:
-            db.execute("UPDATE journal SET status = ? WHERE request_id = ?",
-                       (status, request_id))
+    _CALL_FIELDS = ("status", "undo", "settled")
 
-    def set_call_undo(self, request_id: str, undo: str) -> None:
-        """How a call marked for undoing was settled."""
+    def update_call(self, request_id: str, *, owner: str, **fields: str) -> None:
+        """Set fields of call ``request_id``: ``status`` (where its
+        compensation stands: compensating, compensated, uncompensable),
+        ``undo`` (how a call marked for undoing was undone) or ``settled``
+        (how a call in doubt was settled: a lookup's answer, before the call
+        is retried or its undoing recorded)."""
+        unknown = set(fields) - set(self._CALL_FIELDS)
+        if unknown:
+            raise ValueError(f"a journalled call has no field {', '.join(sorted(unknown))}")
+        names = [name for name in self._CALL_FIELDS if name in fields]
         with self.transaction() as db:
-            db.execute("UPDATE journal SET undo = ? WHERE request_id = ?", (undo, request_id))
+            if names and self._check_call_owner(db, request_id, owner):
+                db.execute(f"UPDATE journal SET {', '.join(f'{n} = ?' for n in names)} "
+                           f"WHERE request_id = ?", (*(fields[n] for n in names), request_id))
 
     @staticmethod
     def _mark_undo(db, request_ids: Iterable[str]) -> None:

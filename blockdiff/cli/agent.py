@@ -234,7 +234,8 @@ def agent_diff(a, b, store_path, as_json):
 @store_option
 @json_option
 def agent_journal(thread, store_path, as_json):
-    """THREAD's tool calls, oldest first: request id, tool, status.
+    """THREAD's tool calls, oldest first: request id, tool, status (and how
+    a call left in doubt was settled).
 
     \b
     Example:
@@ -246,6 +247,8 @@ def agent_journal(thread, store_path, as_json):
     for e in entries:
         click.echo(f"{printable(e.request_id)}  {printable(e.tool):16} "
                    f"{printable(e.status):14} {when(e.started)}")
+        if e.settled:
+            click.echo(f"  settled: {printable(e.settled)}")
 
 
 @agent.command("pending")
