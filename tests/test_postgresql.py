@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -518,6 +519,55 @@ def test_a_lock_held_too_long_is_a_database_error(postgres_url):
     finally:
         holder.close()
         waiter.close()
+
+
+_STOPPED_IN_A_TRANSACTION = """
+import os, signal, sys
+from blockdiff.db import open_database
+from blockdiff.errors import DatabaseError
+db = open_database(sys.argv[1], schema="locks", timeout=2.0)
+db.execute("CREATE TABLE IF NOT EXISTS marks (name TEXT)")
+try:
+    with db.transaction():
+        db.execute("INSERT INTO marks VALUES ('stopped')")
+        print("holding", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        db.execute("INSERT INTO marks VALUES ('woke')")
+except DatabaseError as e:
+    print("lost:", e, flush=True)
+    sys.exit(3)
+"""
+
+
+def test_a_process_stopped_inside_a_transaction_holds_no_writer_up(postgres_url):
+    """A host stopped (SIGSTOP) while it holds the advisory lock: the server
+    ends its idle transaction, so another host's write goes through within
+    its lock timeout; the stopped one, woken, finds its transaction gone and
+    nothing of it committed."""
+    holder = subprocess.Popen([sys.executable, "-c", _STOPPED_IN_A_TRANSACTION, postgres_url],
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    waiter = None
+    try:
+        assert holder.stdout.readline() == "holding\n", holder.stderr.read()
+        deadline = time.monotonic() + 30
+        while open(f"/proc/{holder.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+            assert time.monotonic() < deadline, "the holder never stopped"
+            time.sleep(0.01)
+        waiter = open_database(postgres_url, schema="locks", timeout=20.0)
+        with waiter.transaction():
+            waiter.execute("INSERT INTO marks VALUES ('waiter')")
+        os.kill(holder.pid, signal.SIGCONT)
+        out, err = holder.communicate(timeout=60)
+        assert holder.returncode == 3, (out, err)
+        assert "lost:" in out and "Traceback" not in err
+        assert sorted(waiter.execute("SELECT name FROM marks").fetchall()) == [("waiter",)]
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+        if waiter is not None:
+            waiter.close()
 
 
 # ------------------------------------------------------------ the three users

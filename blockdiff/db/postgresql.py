@@ -17,6 +17,9 @@ Where it differs from SQLite, and why:
   transaction on one of them may write another (the LangGraph saver removes
   a store snapshot from inside its own transaction) without waiting for
   itself. With one key per database, that would wait for the lock timeout.
+  A transaction idle for half the lock timeout is ended by the server
+  (``idle_in_transaction_session_timeout``): a process stopped inside one
+  (SIGSTOP, a paused VM) holds no other host's writers up past theirs.
 - A schema per user. The three users have tables of the same name
   (``checkpoints``), so each opens the database with its own ``schema``
   (made when missing; the ``search_path`` of its connection).
@@ -146,6 +149,7 @@ class PostgreSQLDatabase:
         self.lock = threading.RLock()
         self._connect_timeout = max(1, round(connect_timeout))
         self._lock_timeout_ms = max(1, round(timeout * 1000))
+        self._idle_timeout_ms = max(1, self._lock_timeout_ms // 2)
         self._readonly = readonly
         # Advisory lock key: fixed per schema (see the module's notes).
         self._lock_key = (_LOCK_CLASS, _signed32(zlib.crc32((schema or "").encode())))
@@ -165,7 +169,15 @@ class PostgreSQLDatabase:
         """A new connection. ``patient``: the server is coming back (the
         last connection was lost), so a server that refuses connections is
         tried again for up to the connect timeout before DatabaseError."""
-        options = f"-c lock_timeout={self._lock_timeout_ms}"
+        # A transaction left idle longer than half the lock timeout is ended
+        # by the server: a process stopped inside one (SIGSTOP, a paused VM,
+        # a host swapping) would otherwise hold the advisory lock, and every
+        # writer on every host would fail once its lock timeout ran out. The
+        # stopped process finds its transaction gone when it wakes, and
+        # nothing of it committed. No transaction of blockdiff's waits
+        # between statements (no transfer or file work runs inside one).
+        options = (f"-c lock_timeout={self._lock_timeout_ms} -c "
+                   f"idle_in_transaction_session_timeout={self._idle_timeout_ms}")
         if self.schema:
             options += f" -c search_path={self.schema}"
         if self._readonly:
