@@ -9,9 +9,10 @@ that never completes stores nothing). The one exception is the map a
 removal rewrites whole for a durable snapshot: it is uploaded before the
 switch, so the snapshot stays durable (:func:`upload_rewritten_maps`), and
 the sweep keeps every map object of a snapshot whose map is a delta. An
-upload whose rows went meanwhile deletes the object it just stored. Pushes of one host run one at a time
-(``STORE/push.lock``); a layer is pushed only by a host that holds it, and
-only while it is not uploaded, so two hosts never upload one key.
+upload whose rows went meanwhile deletes the object it just stored. Pushes
+of one host run one at a time (``STORE/push.lock``); a layer is pushed only
+by a host that holds it, and only while it is not uploaded, so two hosts
+never upload one key.
 
 Durability. A snapshot is durable once its map and every layer it uses are
 in the object store, and the map it is a delta on (if any) is durable too:
