@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from blockdiff.errors import NoSuchObject, StoreError
+from blockdiff.errors import RemoteError, StoreError
 from blockdiff.progress import NO_PROGRESS, Progress
 from blockdiff.store.catalog import Snapshot
 from blockdiff.store.objects import allocated, layer_name, map_name, unlink
@@ -293,7 +293,9 @@ def forget_objects(store: StoreState, layers, maps: list[Snapshot]) -> None:
     keys = [layer_key(layer_name(x)) for x in layers]
     keys += [map_key(map_name(s.id, s.map_sha256)) for s in maps]
     if keys:
-        with contextlib.suppress(StoreError, NoSuchObject, OSError):
+        # RemoteError too: the removal is done, and the exit status must say
+        # so even when the object store cannot be reached.
+        with contextlib.suppress(StoreError, RemoteError, OSError):
             store.remote.delete(keys)
 
 
