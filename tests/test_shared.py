@@ -26,6 +26,7 @@ from blockdiff.errors import Damaged, RemoteError, StoreError, UsageError
 from blockdiff.store import Store
 from blockdiff.store.objects import layer_name
 from blockdiff.store.remote import layer_key
+from blockdiff.store.replication import SWEEP_GRACE, sweep_remote
 from blockdiff.store.retention import Policy
 from blockdiff.store.views import view_path
 
@@ -555,10 +556,13 @@ def test_rm_while_the_object_store_is_unreachable_never_makes_a_snapshot_non_dur
         a = Store.init(xfs / "store", catalog=catalog, remote=f"s3://{server.bucket}/x")
         b = Store.init(host_b_dir / "store", catalog=catalog)
         image, keep, rng = start_line(xfs, tmp_path, 13)
-        first, second, third = commit_line(a, image, keep, rng, 3)
+        first, second, third, fourth = commit_line(a, image, keep, rng, 4)
         assert b.get(third).map_base == second      # a delta on the one to remove
         a.close()
         server.stop()
+        # Nothing builds on the newest: it goes, its objects wait for a sweep.
+        done = cli("rm", "--store", xfs / "store", fourth, check=False)
+        assert done.returncode == 0, done.stderr
         done = cli("rm", "--store", xfs / "store", second, check=False)
         assert done.returncode == 14, done.stderr
         assert "Traceback" not in done.stderr and "nothing was removed" in done.stderr
@@ -571,6 +575,9 @@ def test_rm_while_the_object_store_is_unreachable_never_makes_a_snapshot_non_dur
         assert [s.id for s in b.log()] == [third, first]
         assert {p.snapshot: p.state for p in b.placement()} == dict.fromkeys(
             (first, third), "durable")
+        # The objects the removal could not delete go with a sweep.
+        once_back(lambda: sweep_remote(b, now=time.time() + 2 * SWEEP_GRACE))
+        assert not [info.key for info in b.remote.list("") if fourth in info.key]
         # Host A is gone for good: B restores both from the object store.
         shutil.rmtree(xfs / "store")
         for sid in (third, first):
