@@ -116,6 +116,11 @@ def remove(store: StoreState, snaps: list[Snapshot], reasons: dict) -> Removal:
                 if attempt == CONFLICT_RETRIES - 1:
                     raise
                 continue
+            except RemoteError as e:
+                done = (f"removed before it: {', '.join(removed)}" if removed
+                        else "nothing was removed")
+                raise RemoteError(f"{e}; {done}: try again when the object store is "
+                                  f"back") from e
             removed.append(snap.id)
             break
     return Removal(removed, freed, {sid: reasons[sid] for sid in removed})
@@ -142,8 +147,7 @@ def _remove_one(store: StoreState, snap: Snapshot) -> int:
                 except RemoteError as e:
                     raise RemoteError(f"snapshot {snap.id} was not removed: the maps of "
                                       f"the snapshots built on it must be in the object "
-                                      f"store first ({e}); nothing was removed: try again "
-                                      f"when the object store is back") from e
+                                      f"store first ({e})") from e
             with store.catalog.transaction() as db:
                 refuse_lost_references(store.catalog, store.root, db)
                 store.maps.point_dependents_at_whole(db, snap, dependents, digests)
