@@ -674,7 +674,8 @@ def test_snapshots_removed_around_one_by_two_hosts_leave_it_restorable_everywher
             if path is not None:
                 assert filecmp.cmp(path, keep / sid, shallow=False), fork
             else:
-                assert fork[2] in ("UnknownSnapshot",), fork
+                # Removed under the fork: a layer it needed may be gone too.
+                assert fork[2] in ("UnknownSnapshot", "StoreError", "NoSuchObject"), fork
         # Each ancestor was removed by one host; the other was told it is gone.
         for sid in ancestors:
             said = [o for o in outcomes if o[0] == sid]
