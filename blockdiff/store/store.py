@@ -528,10 +528,12 @@ class Store(StoreState):
     def rm(self, snapshot_id: str) -> Removal:
         """Delete one snapshot, and the snapshots that are parts of it (see
         ``blockdiff.store.retention``); its descendants stay restorable byte
-        for byte."""
-        # In a shared store, the maps rewritten whole that must be durable
-        # are uploaded before the switch (blockdiff.store.removal); the
-        # others wait for a push, as they did before.
+        for byte. In a shared store those that are durable stay durable: if
+        that needs the object store and it fails, ``RemoteError`` and the
+        snapshot is not removed."""
+        # The maps rewritten whole that must be durable are uploaded before
+        # the switch (blockdiff.store.removal); the others wait for a push,
+        # as they did before.
         return removal.rm(self, snapshot_id)
 
     def gc(self, policy, *, now: float | None = None, dry_run: bool = False) -> Removal:
