@@ -688,4 +688,3 @@ def test_fetching_restores_beside_a_host_evicting_and_sweeping(hosts, xfs, host_
         _, err = evictor.communicate()
     assert evictor.returncode == 0, err
     assert b.verify() == {}
-
