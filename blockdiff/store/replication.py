@@ -279,8 +279,8 @@ def upload_rewritten_maps(store: StoreState, dependents: list[Snapshot],
             continue          # not durable before: it waits for a push, as it did
         path = store.object_files.map_path(dep.id, digests[dep.seq])
         # Uploaded before any row names it (the other way round from a
-        # push): sweep_remote keeps every map object of a snapshot there
-        # is, so none is swept before the switch commits.
+        # push): sweep_remote keeps every map object of a snapshot whose
+        # map is a delta, so none is swept before the switch commits.
         store.remote.put_file(map_key(path.name), path)
         sizes[dep.seq] = _size(path)
     return sizes
