@@ -83,6 +83,12 @@ class ImageBusy(StoreError):
     """Another process holds the image being committed or restored."""
 
 
+class Conflict(StoreError):
+    """The catalog changed under an operation (another host or process
+    committed, removed or rewrote a snapshot it works on): nothing was done,
+    and it may be tried again."""
+
+
 class Damaged(BlockdiffError):
     """Data that fails its checks: a layer's checksum, a map, a damaged or
     empty database, a restore that differs from what was committed."""

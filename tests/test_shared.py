@@ -26,6 +26,7 @@ from blockdiff.errors import Damaged, RemoteError, StoreError, UsageError
 from blockdiff.store import Store
 from blockdiff.store.objects import layer_name
 from blockdiff.store.remote import layer_key
+from blockdiff.store.replication import SWEEP_GRACE, sweep_remote
 from blockdiff.store.retention import Policy
 from blockdiff.store.views import view_path
 
@@ -302,6 +303,165 @@ def test_removing_a_snapshot_deletes_its_objects_for_every_host(
     assert list(a.objects.iterdir()) == []
     # The image's bytes on B are its own.
     assert filecmp.cmp(host_b_dir / "x.img", keep / third, shallow=False)
+
+
+def _retried_while_unreachable(*args, seconds: float = 60.0) -> subprocess.CompletedProcess:
+    """``cli(*args)`` again while it fails with status 14 (a restarted
+    object store still bringing its volumes back)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        done = cli(*args, check=False)
+        if done.returncode != 14 or time.monotonic() > deadline:
+            return done
+        time.sleep(0.5)
+
+
+def test_rm_while_the_object_store_is_unreachable_never_makes_a_snapshot_non_durable(
+        xfs, host_b_dir, catalog, tmp_path, monkeypatch):
+    """Removing a parent rewrites its children's maps whole: a child that
+    was durable must be durable the moment the parent's rows go. With the
+    object store down, rm refuses (status 14) and removes nothing; once it
+    is back, rm removes (status 0) and the child is restorable by every
+    host, even after the host that ran rm is gone."""
+    objectstore._require_seaweedfs()
+    with running_seaweedfs(tmp_path / "weed") as server:
+        point_boto3_at(server, monkeypatch, tmp_path)
+        monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+        a = Store.init(xfs / "store", catalog=catalog, remote=f"s3://{server.bucket}/x")
+        b = Store.init(host_b_dir / "store", catalog=catalog)
+        image, keep, rng = start_line(xfs, tmp_path, 13)
+        first, second, third, fourth = commit_line(a, image, keep, rng, 4)
+        assert b.get(third).map_base == second      # a delta on the one to remove
+        a.close()
+        server.stop()
+        # Nothing builds on the newest: it goes, its objects wait for a sweep.
+        done = cli("rm", "--store", xfs / "store", fourth, check=False)
+        assert done.returncode == 0, done.stderr
+        done = cli("rm", "--store", xfs / "store", second, check=False)
+        assert done.returncode == 14, done.stderr
+        assert "Traceback" not in done.stderr and "nothing was removed" in done.stderr
+        assert [s.id for s in b.log()] == [third, second, first]
+        assert {p.snapshot: p.state for p in b.placement()} == dict.fromkeys(
+            (first, second, third), "durable")
+        server.start()
+        done = _retried_while_unreachable("rm", "--store", xfs / "store", second)
+        assert done.returncode == 0, done.stderr
+        assert [s.id for s in b.log()] == [third, first]
+        assert {p.snapshot: p.state for p in b.placement()} == dict.fromkeys(
+            (first, third), "durable")
+        # The objects the removal could not delete go with a sweep.
+        once_back(lambda: sweep_remote(b, now=time.time() + 2 * SWEEP_GRACE))
+        assert not [info.key for info in b.remote.list("") if fourth in info.key]
+        # Host A is gone for good: B restores both from the object store.
+        shutil.rmtree(xfs / "store")
+        for sid in (third, first):
+            once_back(lambda sid=sid: b.restore(sid, host_b_dir / f"x-{sid}"))
+            assert filecmp.cmp(host_b_dir / f"x-{sid}", keep / sid, shallow=False)
+        b.close()
+
+
+REMOVER = """\
+import json, sys
+from blockdiff.errors import BlockdiffError
+from blockdiff.store import Store
+store, ids = Store(sys.argv[1]), json.loads(sys.argv[2])
+for sid in ids:
+    try:
+        store.rm(sid)
+        print(json.dumps([sid, "removed"]), flush=True)
+    except BlockdiffError as e:
+        print(json.dumps([sid, type(e).__name__, str(e)]), flush=True)
+store.close()
+"""
+
+FORKER = """\
+import json, os, sys
+from pathlib import Path
+from blockdiff.errors import BlockdiffError
+from blockdiff.store import Store
+store, ids, out, stop = Store(sys.argv[1]), json.loads(sys.argv[2]), Path(sys.argv[3]), \\
+    Path(sys.argv[4])
+in_place = len(sys.argv) > 5       # restore one image over and over instead
+round_ = 0
+while round_ < 2 or not stop.exists():
+    for sid in ids:
+        path = out / ("in-place.img" if in_place else f"{round_}-{sid}.img")
+        try:
+            store.restore(sid, path)
+            print(json.dumps([sid, str(path)]), flush=True)
+        except BlockdiffError as e:
+            print(json.dumps([sid, None, type(e).__name__, str(e)]), flush=True)
+    round_ += 1
+store.close()
+"""
+
+
+@pytest.mark.parametrize("catalog", ["postgresql"], indirect=True)
+def test_snapshots_removed_around_one_by_two_hosts_leave_it_restorable_everywhere(
+        hosts, xfs, host_b_dir, tmp_path):
+    """Both hosts remove the seven ancestors of a line's tip (each in its
+    own process, in opposite orders) while a third process, on B, forks all
+    eight over and over. The tip, which nobody removes, restores byte for
+    byte every time, on both hosts; a removed one either restores byte for
+    byte or is refused with one clear error; the rm's that lose a race to
+    the other host say the snapshot is gone."""
+    a, b = hosts
+    image, keep, rng = start_line(xfs, tmp_path, 14)
+    for round_ in range(2):
+        line = commit_line(a, image, keep, rng, 8)
+        if round_ == 0:      # the tip's map a delta on a chain of the seven
+            assert b.get(line[-1]).map_base == line[-2]
+        tip, ancestors = line[-1], line[:-1]
+        out = host_b_dir / f"forks-{round_}"
+        out.mkdir()
+        stop = tmp_path / f"stop-{round_}"
+        # One process forks all eight, another restores the tip in place
+        # over and over (little to do but read its chain of maps).
+        forker, restorer = [
+            subprocess.Popen([sys.executable, "-c", FORKER, str(b.root), json.dumps(ids),
+                              str(out), str(stop), *extra],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for ids, extra in ((list(reversed(line)), ()), ([tip], ("in-place",)))]
+        removers = [subprocess.Popen([sys.executable, "-c", REMOVER, str(root),
+                                      json.dumps(order)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                    for root, order in ((a.root, ancestors),
+                                        (b.root, list(reversed(ancestors))))]
+        outcomes = []
+        for remover in removers:
+            got, err = remover.communicate(timeout=600)
+            assert remover.returncode == 0, err
+            outcomes += [json.loads(line_) for line_ in got.splitlines()]
+        stop.touch()
+        forks = []
+        for process in (restorer, forker):     # the in-place one's last result first
+            got, err = process.communicate(timeout=600)
+            assert process.returncode == 0, err
+            forks += [json.loads(line_) for line_ in got.splitlines()]
+        assert [s.id for s in b.log()][0] == tip and not set(ancestors) & {
+            s.id for s in b.log()}
+        assert len([f for f in forks if f[0] == tip]) >= 2
+        for fork in forks:
+            sid, path = fork[0], fork[1]
+            if sid == tip:
+                assert path is not None, fork
+            if path is not None:
+                assert filecmp.cmp(path, keep / sid, shallow=False), fork
+            else:
+                # Removed under the fork: a layer it needed may be gone too.
+                assert fork[2] in ("UnknownSnapshot", "StoreError", "NoSuchObject"), fork
+        # Each ancestor was removed by one host; the other was told it is gone.
+        for sid in ancestors:
+            said = [o for o in outcomes if o[0] == sid]
+            assert [o[1] for o in said].count("removed") == 1, said
+            for o in said:
+                assert o[1] in ("removed", "UnknownSnapshot"), said
+        assert {p.snapshot: p.state for p in b.placement()}[tip] == "durable"
+        for host, where in ((a, xfs), (b, host_b_dir)):
+            host.restore(tip, where / f"tip-{round_}.img")
+            assert filecmp.cmp(where / f"tip-{round_}.img", keep / tip, shallow=False)
+        shutil.rmtree(out)
+    assert a.verify() == {} and b.verify() == {}
 
 
 def test_eviction_drops_only_uploaded_copies_and_they_come_back(

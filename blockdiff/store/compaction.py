@@ -71,7 +71,7 @@ def compact(store: StoreState, snapshot_id: str, progress: Progress = NO_PROGRES
             dependents, digests = store.maps.write_dependents_whole(snap, placed)
             with store.catalog.transaction() as db:
                 refuse_lost_references(store.catalog, store.root, db)
-                store.maps.point_dependents_at_whole(db, snap, digests)
+                store.maps.point_dependents_at_whole(db, snap, dependents, digests)
                 store.catalog.add_layer(db, record)
                 unused = store.catalog.replace_map(db, snap, digest, [layer])
         except BaseException:

@@ -31,12 +31,16 @@ from blockdiff.engine.extents import (
     splice_pieces,
     union,
 )
-from blockdiff.errors import Damaged, StoreError
+from blockdiff.errors import Conflict, Damaged, RemoteError, StoreError, UnknownSnapshot
 from blockdiff.store.catalog import Catalog, Snapshot
 from blockdiff.store.ids import find_snapshot
 from blockdiff.store.objects import DecodedCache, ObjectFiles
 
 MAP_CHAIN = 8
+# How many times a map read starts again on a newer catalog row: a row
+# changes when a snapshot's map is rewritten (its base removed, it or its
+# base compacted), a handful of times in its life at most.
+MAP_REREADS = 8
 # Decoded maps kept per store, the least recently used going first. A VM's
 # restore or fork reads the maps of four snapshots (the memory image's and
 # the disk's, where each is and where each goes), each a delta on a chain
@@ -206,6 +210,27 @@ class Maps:
         return smap
 
     def _read(self, snap: Snapshot, cached: bool) -> SnapshotMap:
+        """``snap``'s map, read again from the catalog's current row if the
+        one read fails because the row changed meanwhile: another host or
+        process removing its base rewrites it whole and deletes the old
+        objects (blockdiff.store.removal), which a reader holding the old
+        row can find gone. The content is the same either way."""
+        for _ in range(MAP_REREADS):
+            try:
+                return self._read_row(snap, cached)
+            except (StoreError, RemoteError, FileNotFoundError):
+                now = self.catalog.get(snap.id)
+                if now is not None and (now.map_sha256, now.map_base) == (snap.map_sha256,
+                                                                           snap.map_base):
+                    raise          # not moved: the failure is what it says
+                if now is None:
+                    raise UnknownSnapshot(f"snapshot {snap.id} was removed from the store "
+                                          f"while its map was being read") from None
+                snap = now
+        raise Conflict(f"the map of snapshot {snap.id} was rewritten {MAP_REREADS} times "
+                       f"while it was being read; try again")
+
+    def _read_row(self, snap: Snapshot, cached: bool) -> SnapshotMap:
         if cached:
             known = self._decoded.get(snap.map_sha256)
             if known is not None:
@@ -264,11 +289,17 @@ class Maps:
             self.files.sync()
         return dependents, digests
 
-    def point_dependents_at_whole(self, db, snap: Snapshot, digests: dict[int, str]) -> None:
+    def point_dependents_at_whole(self, db, snap: Snapshot, dependents: list[Snapshot],
+                                  digests: dict[int, str]) -> None:
         """Inside the transaction that removes or rewrites ``snap``'s map: the
         rows of its dependents name the maps :meth:`write_dependents_whole`
-        wrote, unless another one was committed on it meanwhile."""
-        now = {dep.seq for dep in self.catalog.map_dependents(snap.id, db)}
-        if now != set(digests):
-            raise StoreError(f"a snapshot was committed on {snap.id} meanwhile; try again")
+        wrote. ``Conflict`` if the dependents are not those it read, naming
+        the maps it read: one was committed on ``snap`` meanwhile, removed,
+        or given another map (by another host or process), and pointing it
+        at the map written from the old one could undo that."""
+        now = {dep.seq: dep.map_sha256 for dep in self.catalog.map_dependents(snap.id, db)}
+        if now != {dep.seq: dep.map_sha256 for dep in dependents}:
+            raise Conflict(f"the snapshots whose maps build on {snap.id}'s changed meanwhile "
+                           f"(another process or host committed, removed or rewrote one); "
+                           f"nothing was changed: try again")
         self.catalog.set_full_maps(db, digests)

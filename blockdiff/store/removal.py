@@ -5,22 +5,39 @@ The catalog rows go first, in one transaction, and the files after it,
 under the exclusive store lock: a crash in between leaves only files no row
 names, which the sweep removes. Descendants of a removed snapshot stay
 restorable byte for byte, since their piece tables are complete.
+
+In a store shared by several hosts a removal never makes a durable
+snapshot non-durable: the maps that were deltas on the removed one's are
+written whole and, where the old one was in the object store, uploaded
+before the transaction that points their rows at them (which records them
+as uploaded), as a commit puts objects before rows. If the object store
+fails, nothing is removed (``RemoteError``). The removal's old objects are
+deleted after the transaction; a reader on another host holding the old
+rows reads the new ones then (blockdiff.store.maps). Two hosts removing
+snapshots of one line at once: the transaction checks that the maps it
+rewrote are still the rows' (``Conflict`` otherwise), and the removal starts
+again on what the catalog says now, a few times at most.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockdiff.errors import Damaged
+from blockdiff.errors import Conflict, Damaged, RemoteError, UnknownSnapshot
 from blockdiff.store.catalog import Catalog, Snapshot
 from blockdiff.store.ids import layer_number
 from blockdiff.store.objects import layer_name, unlink
-from blockdiff.store.replication import forget_objects
+from blockdiff.store.replication import forget_objects, upload_rewritten_maps
 from blockdiff.store.retention import apply_policy, owner_of
 from blockdiff.store.state import StoreState
 from blockdiff.store.views import sweep_views
+
+# How many times the removal of one snapshot starts again when the catalog
+# changed under it (another host or process removing beside it).
+CONFLICT_RETRIES = 8
 
 
 @dataclass
@@ -53,6 +70,9 @@ def rm(store: StoreState, snapshot_id: str) -> Removal:
     parts = _parts_of(store.catalog.all(), {snap.id})
     result = remove(store, [*parts, snap],
                     {s.id: f"a part of {snap.id}" for s in parts} | {snap.id: "asked"})
+    if snap.id not in result.removed:
+        raise UnknownSnapshot(f"snapshot {snap.id} was removed by another process or host "
+                              f"meanwhile")
     result = _with_late_parts(store, result, lambda part: f"a part of {snap.id}")
     store.keep_reserve()
     return result
@@ -81,35 +101,82 @@ def _parts_of(snaps: list[Snapshot], family: set[str]) -> list[Snapshot]:
 
 
 def remove(store: StoreState, snaps: list[Snapshot], reasons: dict) -> Removal:
-    """Remove the snapshots ``snaps`` one by one: rows, then files."""
-    freed = 0
+    """Remove the snapshots ``snaps`` one by one: rows, then files. One
+    another process or host removed meanwhile is left out of the result."""
+    freed, removed = 0, []
     refuse_lost_references(store.catalog, store.root)
     for snap in snaps:
-        placed: list[Path] = []
-        with store.lock.shared():
+        for attempt in range(CONFLICT_RETRIES):
+            current = store.catalog.get(snap.id)
+            if current is None:
+                break
             try:
-                dependents, digests = store.maps.write_dependents_whole(snap, placed)
-                with store.catalog.transaction() as db:
-                    refuse_lost_references(store.catalog, store.root, db)
-                    store.maps.point_dependents_at_whole(db, snap, digests)
-                    unused = store.catalog.remove(db, snap, layer_number(snap.id))
-            except BaseException:
-                store.object_files.unplace(lambda: store.catalog.get(snap.id) is None, placed)
-                raise
-        # Files go after the catalog commit, under the exclusive lock: a
-        # crash in between leaves only unreferenced files, which gc sweeps.
-        with store.lock.exclusive():
-            for dep in dependents:
-                freed += unlink(store.map_path(dep))
-            freed += unlink(store.map_path(snap))
-            for layer in unused:
-                freed += unlink(store.layer_path(layer))
-                store.layers.forget(layer)
-        if store.shared is not None:
-            # Their rows are gone on every host; other hosts' copies go
-            # with their next sweep.
-            forget_objects(store, unused, [snap] + dependents)
-    return Removal([s.id for s in snaps], freed, reasons)
+                freed += _remove_one(store, current)
+            except Conflict:
+                if attempt == CONFLICT_RETRIES - 1:
+                    raise
+                continue
+            except RemoteError as e:
+                done = (f"removed before it: {', '.join(removed)}" if removed
+                        else "nothing was removed")
+                raise RemoteError(f"{e}; {done}: try again when the object store is "
+                                  f"back") from e
+            removed.append(snap.id)
+            break
+    return Removal(removed, freed, {sid: reasons[sid] for sid in removed})
+
+
+def _remove_one(store: StoreState, snap: Snapshot) -> int:
+    """Remove one snapshot as the catalog has it now; the bytes freed."""
+    placed: list[Path] = []
+    dependents: list[Snapshot] = []
+    digests: dict[int, str] = {}
+
+    def committed() -> bool:
+        # Whether a row names a map this removal wrote (its switch committed).
+        return any((store.catalog.get(d.id) or d).map_sha256 == digests.get(d.seq)
+                   for d in dependents)
+
+    with store.lock.shared():
+        try:
+            dependents, digests = store.maps.write_dependents_whole(snap, placed)
+            uploaded = {}
+            if store.shared is not None and dependents:
+                try:
+                    uploaded = upload_rewritten_maps(store, dependents, digests)
+                except RemoteError as e:
+                    raise RemoteError(f"snapshot {snap.id} was not removed: the maps of "
+                                      f"the snapshots built on it must be in the object "
+                                      f"store first ({e})") from e
+            with store.catalog.transaction() as db:
+                refuse_lost_references(store.catalog, store.root, db)
+                store.maps.point_dependents_at_whole(db, snap, dependents, digests)
+                for dep in dependents:
+                    if dep.seq in uploaded:
+                        store.catalog.mark_map_uploaded(
+                            dataclasses.replace(dep, map_sha256=digests[dep.seq]),
+                            uploaded[dep.seq], db)
+                unused = store.catalog.remove(db, snap, layer_number(snap.id))
+        except BaseException:
+            # What was uploaded stays for the sweep (sweep_remote): another
+            # host's removal may name the same map, written from the same one.
+            store.object_files.unplace(committed, placed)
+            raise
+    freed = 0
+    # Files go after the catalog commit, under the exclusive lock: a
+    # crash in between leaves only unreferenced files, which gc sweeps.
+    with store.lock.exclusive():
+        for dep in dependents:
+            freed += unlink(store.map_path(dep))
+        freed += unlink(store.map_path(snap))
+        for layer in unused:
+            freed += unlink(store.layer_path(layer))
+            store.layers.forget(layer)
+    if store.shared is not None:
+        # Their rows are gone on every host; other hosts' copies go
+        # with their next sweep.
+        forget_objects(store, unused, [snap] + dependents)
+    return freed
 
 
 def gc(store: StoreState, policy, *, now: float | None = None, dry_run: bool = False) -> Removal:

@@ -5,10 +5,14 @@ beyond its cache size, and sweep objects no snapshot uses.
 Order. Every object is uploaded after the catalog rows that name it are
 committed, so an object without a row is one whose rows were removed (or
 an upload that failed half-way, which leaves no object: a multipart upload
-that never completes stores nothing). An upload whose rows went meanwhile
-deletes the object it just stored. Pushes of one host run one at a time
-(``STORE/push.lock``); a layer is pushed only by a host that holds it, and
-only while it is not uploaded, so two hosts never upload one key.
+that never completes stores nothing). The one exception is the map a
+removal rewrites whole for a durable snapshot: it is uploaded before the
+switch, so the snapshot stays durable (:func:`upload_rewritten_maps`), and
+the sweep keeps every map object of a snapshot whose map is a delta. An
+upload whose rows went meanwhile deletes the object it just stored. Pushes
+of one host run one at a time (``STORE/push.lock``); a layer is pushed only
+by a host that holds it, and only while it is not uploaded, so two hosts
+never upload one key.
 
 Durability. A snapshot is durable once its map and every layer it uses are
 in the object store, and the map it is a delta on (if any) is durable too:
@@ -31,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from blockdiff.errors import NoSuchObject, StoreError
+from blockdiff.errors import RemoteError, StoreError
 from blockdiff.progress import NO_PROGRESS, Progress
 from blockdiff.store.catalog import Snapshot
 from blockdiff.store.objects import allocated, layer_name, map_name, unlink
@@ -245,13 +249,41 @@ def sweep_remote(store: StoreState, now: float | None = None) -> int:
     listed = [info for info in remote.list("") if (info.modified or now) < now - SWEEP_GRACE]
     # Read after the listing: a row committed before an object was listed
     # is seen here.
+    snaps = store.catalog.all()
     keep = {layer_key(layer_name(x)) for x in store.catalog.layer_ids()}
-    keep |= {map_key(map_name(s.id, s.map_sha256)) for s in store.catalog.all()}
-    doomed = [info.key for info in listed if info.key not in keep
-              and (info.key.startswith("layers/") or info.key.startswith("maps/"))]
+    keep |= {map_key(map_name(s.id, s.map_sha256)) for s in snaps}
+    # A removal uploads the map it rewrites whole for a snapshot whose map
+    # is a delta before the row naming it commits (upload_rewritten_maps):
+    # every map object of such a snapshot is kept.
+    rewritable = {s.id for s in snaps if s.map_base is not None}
+    doomed = [info.key for info in listed if info.key not in keep and (
+        info.key.startswith("layers/")
+        or (info.key.startswith("maps/")
+            and info.key[len("maps/"):].split(".", 1)[0] not in rewritable))]
     if doomed:
         remote.delete(doomed)
     return len(doomed)
+
+
+def upload_rewritten_maps(store: StoreState, dependents: list[Snapshot],
+                          digests: dict[int, str]) -> dict[int, int]:
+    """Before the catalog switches ``dependents`` to the maps written whole
+    for them (``digests`` by seq): upload the new map of each one whose map
+    is in the object store now, so that none stops being durable at the
+    switch. Returns the sizes uploaded, by seq, for the switch to record;
+    raises ``RemoteError`` if the object store fails."""
+    from blockdiff.store.remote import map_key
+    sizes = {}
+    for dep in dependents:
+        if store.catalog.map_upload(dep)[1] is None:
+            continue          # not durable before: it waits for a push, as it did
+        path = store.object_files.map_path(dep.id, digests[dep.seq])
+        # Uploaded before any row names it (the other way round from a
+        # push): sweep_remote keeps every map object of a snapshot whose
+        # map is a delta, so none is swept before the switch commits.
+        store.remote.put_file(map_key(path.name), path)
+        sizes[dep.seq] = _size(path)
+    return sizes
 
 
 def forget_objects(store: StoreState, layers, maps: list[Snapshot]) -> None:
@@ -261,7 +293,9 @@ def forget_objects(store: StoreState, layers, maps: list[Snapshot]) -> None:
     keys = [layer_key(layer_name(x)) for x in layers]
     keys += [map_key(map_name(s.id, s.map_sha256)) for s in maps]
     if keys:
-        with contextlib.suppress(StoreError, NoSuchObject, OSError):
+        # RemoteError too: the removal is done, and the exit status must say
+        # so even when the object store cannot be reached.
+        with contextlib.suppress(StoreError, RemoteError, OSError):
             store.remote.delete(keys)
 
 

@@ -526,19 +526,18 @@ class Store(StoreState):
     def rm(self, snapshot_id: str) -> Removal:
         """Delete one snapshot, and the snapshots that are parts of it (see
         ``blockdiff.store.retention``); its descendants stay restorable byte
-        for byte."""
-        result = removal.rm(self, snapshot_id)
-        if self.shared is not None:
-            self._pushed_after(None)     # the maps rewritten whole, if any
-        return result
+        for byte. In a shared store those that are durable stay durable: if
+        that needs the object store and it fails, ``RemoteError`` and the
+        snapshot is not removed."""
+        # The maps rewritten whole that must be durable are uploaded before
+        # the switch (blockdiff.store.removal); the others wait for a push,
+        # as they did before.
+        return removal.rm(self, snapshot_id)
 
     def gc(self, policy, *, now: float | None = None, dry_run: bool = False) -> Removal:
         """Remove expired snapshots and those the policy does not keep, then
         sweep files no snapshot uses (left by interrupted operations)."""
-        result = removal.gc(self, policy, now=now, dry_run=dry_run)
-        if self.shared is not None and not dry_run:
-            self._pushed_after(None)
-        return result
+        return removal.gc(self, policy, now=now, dry_run=dry_run)
 
     def verify(self, snapshot_id: str | None = None, *,
                progress: Progress = NO_PROGRESS) -> dict[str, list[str]]:
