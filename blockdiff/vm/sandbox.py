@@ -26,7 +26,8 @@ swap). The memory snapshot records the machine it can be resumed on
 Files of the protocol in the VM's directory::
 
     lock                   serialises operations on the VM
-    checkpointing          while a checkpoint may have left the VM paused or frozen
+    intent.json            the operation under way, for the next command to finish or
+                           undo if it is interrupted (see blockdiff.vm.recovery)
     last-checkpoint.json   QEMU's count of the disk's writes after the last checkpoint
     ran                    a command ran since the last checkpoint
     resume-from            a stopped fork's memory snapshot, resumed by start()
@@ -56,13 +57,14 @@ from blockdiff.progress import NO_PROGRESS, Progress
 from blockdiff.store.catalog import Snapshot
 from blockdiff.store.retention import PART_OF
 from blockdiff.store.store import Store, as_store
+from blockdiff.vm import intents, recovery
 from blockdiff.vm.guestlink import THAW, ExecResult, GuestLink
+from blockdiff.vm.intents import CHECKPOINT, FORK, RESTORE, START, crash_point
 from blockdiff.vm.machine import DEFAULT_BOOT_TIMEOUT, Machine, fork_waiting
 from blockdiff.vm.registry import Registry, check_name
 from blockdiff.vm.standby import NOTHING_WRITTEN, Standby
 
 LOCK = "lock"
-CHECKPOINTING = "checkpointing"
 LAST_CHECKPOINT = "last-checkpoint.json"
 RAN = "ran"
 RESUME_FROM = "resume-from"
@@ -116,6 +118,10 @@ class VMStatus:
     accel: str | None
     memory: bool = False            # the VM's checkpoints hold its memory
     snapshot_memory: bool = False   # the snapshot it descends from holds memory
+    # What it is (see blockdiff.vm.recovery.state): running, stopped, paused,
+    # an operation under way or interrupted; and QEMU's own run state.
+    state: str = "stopped"
+    qemu: str | None = None
 
 
 class Sandbox:
@@ -149,6 +155,7 @@ class Sandbox:
         # Seconds per phase of the last resume from a memory checkpoint
         # (the machine's own phases are in machine.last_launch).
         self.last_restore_phases: dict[str, float] = {}
+        self._locked = False   # this object holds the VM's lock (recovery re-enters it)
 
     # ----------------------------------------------------------- creation
 
@@ -157,7 +164,8 @@ class Sandbox:
                image: str | os.PathLike | None = None, snapshot: str | None = None,
                kernel: str | os.PathLike | None = None, memory_mb: int = 256, cpus: int = 1,
                ephemeral: bool = False, memory: bool | None = None,
-               progress: Progress = NO_PROGRESS, _disk_later: bool = False) -> "Sandbox":
+               progress: Progress = NO_PROGRESS, _disk_later: bool = False,
+               _intent: dict | None = None) -> "Sandbox":
         """A new, stopped VM whose disk is a copy of ``image`` (reflinked when
         it is on the store's filesystem; committed as the VM's root snapshot)
         or a fork of store snapshot ``snapshot``.
@@ -168,7 +176,9 @@ class Sandbox:
         a reflink filesystem). ``progress`` hears of the disk's bytes checked
         (a fork) or checksummed (its first commit). ``_disk_later``: the
         disk of a fork is left empty at the snapshot's size, for the caller
-        to restore in place (a resume does, beside QEMU's start)."""
+        to restore in place (a resume does, beside QEMU's start), and
+        ``_intent`` the arguments of its fork's intent record, which the VM
+        is registered with (see blockdiff.vm.intents)."""
         store = as_store(store)
         check_name(name)
         if memory is None:
@@ -197,7 +207,8 @@ class Sandbox:
 
         source = {"snapshot": snap.id} if snap else {"image": os.path.abspath(image)}
         registry.add(name, {"kernel": kernel_key, "memory_mb": memory_mb, "cpus": cpus,
-                            "memory": memory, "source": source}, write_disk)
+                            "memory": memory, "source": source}, write_disk,
+                     intent=None if _intent is None else (FORK, _intent))
         sandbox = cls(store, name)
         sandbox.ephemeral = ephemeral
         if snap is None:
@@ -245,38 +256,35 @@ class Sandbox:
         return bool(self.config.get("memory", not self.store.copy_mode))
 
     def status(self) -> VMStatus:
-        """Whether the VM runs, and the snapshot its disk descends from."""
+        """What the VM is (asking QEMU, bounded), and the snapshot its disk
+        descends from."""
         snapshot, _ = self.store.lineage(self.disk)
         pid = self.pid
         with_memory = False
         if snapshot is not None:
             with contextlib.suppress(UnknownSnapshot):
                 with_memory = MEMORY_KEY in self.store.get(snapshot).meta
-        return VMStatus(self.name, pid is not None, pid, snapshot, self.machine.accel,
-                        self.memory_checkpoints, with_memory)
+        state, run_state = recovery.state(self)
+        return VMStatus(self.name, state == "running", pid, snapshot, self.machine.accel,
+                        self.memory_checkpoints, with_memory, state, run_state)
 
     @contextlib.contextmanager
-    def _lock(self):
+    def _lock(self, purpose: str = recovery.USE):
+        """The VM's lock for the block, once what an interrupted operation
+        left is finished or undone (see blockdiff.vm.recovery; ``purpose``:
+        what the block does with the VM). Re-entered by that recovery."""
+        if self._locked:
+            yield
+            return
         fd = os.open(self.directory / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            self._recover_checkpoint()
+            self._locked = True
+            recovery.recover(self, purpose)
             yield
         finally:
+            self._locked = False
             os.close(fd)
-
-    def _recover_checkpoint(self) -> None:
-        """A checkpoint whose process died may have left the VM paused and its
-        filesystem frozen; under the lock, nothing else can be checkpointing."""
-        marker = self.directory / CHECKPOINTING
-        if not marker.exists():
-            return
-        if self.machine.running:
-            with contextlib.suppress(VMError):
-                self.machine.resume()
-            with contextlib.suppress(VMError), self.machine.guest() as link:
-                link.thaw(timeout=self.guest_timeout)
-        marker.unlink()
 
     # ---------------------------------------------------------- lifecycle
 
@@ -288,14 +296,20 @@ class Sandbox:
             if self.machine.running:
                 return
             marker = self.directory / RESUME_FROM
-            if marker.exists():
-                # A fork left stopped: it resumes from its checkpoint's memory.
-                self.machine.launch(timeout, progress, incoming=True,
-                                    mark=self.store.lineage_mark(self.disk),
-                                    hot=self._hot_memory(marker.read_text().strip()))
-                marker.unlink()
-            else:
-                self._boot(timeout, progress)
+            # Only a crash leaves the record: a launch that fails kills its
+            # QEMU. Nothing of a start is left half done on disk.
+            intents.write(self.directory, START, durable=False)
+            try:
+                if marker.exists():
+                    # A fork left stopped: it resumes from its checkpoint's memory.
+                    self.machine.launch(timeout, progress, incoming=True,
+                                        mark=self.store.lineage_mark(self.disk),
+                                        hot=self._hot_memory(marker.read_text().strip()))
+                    marker.unlink()
+                else:
+                    self._boot(timeout, progress)
+            finally:
+                intents.clear(self.directory, durable=False)
 
     def _boot(self, timeout: float, progress: Progress = NO_PROGRESS) -> None:
         """Boot QEMU; with memory checkpoints, its RAM as the memory image,
@@ -328,7 +342,7 @@ class Sandbox:
     def stop(self, *, timeout: float = 20.0) -> None:
         """Shut the guest down cleanly (its disk unmounted); QEMU is killed if
         the guest does not power off in time."""
-        with self._lock():
+        with self._lock(recovery.STOP):
             self.standby.wait_standby()   # which may start a QEMU, killed here
             self.machine.shutdown(timeout)
             self._forget_checkpoints()
@@ -360,12 +374,12 @@ class Sandbox:
 
     def _forget_checkpoints(self) -> None:
         # What the protocol knew of a QEMU process that is gone.
-        for f in (CHECKPOINTING, LAST_CHECKPOINT, RAN):
+        for f in (LAST_CHECKPOINT, RAN):
             (self.directory / f).unlink(missing_ok=True)
 
     def destroy(self) -> None:
         """Stop the VM and delete its directory. Snapshots of it stay in the store."""
-        with self._lock():
+        with self._lock(recovery.REMOVE):
             self.standby.wait()   # which may start a QEMU, killed here
             self._kill()
         self.registry.remove(self.name)
@@ -420,10 +434,12 @@ class Sandbox:
                 if unchanged is not None:
                     self.last_checkpoint = CheckpointTiming(0.0, 0.0, time.monotonic() - start)
                     return unchanged
-            marker = self.directory / CHECKPOINTING
-            marker.touch()
+            # Not synced: what it guards (a paused QEMU, a frozen guest) dies
+            # with the host.
+            intents.write(self.directory, CHECKPOINT, durable=False)
             with self.machine.guest() as link, self.machine.qmp():
                 meta["vm.flush"] = self._freeze(link, processes=memory)
+                crash_point("checkpoint.frozen")
                 # A guest that did not freeze may not resume either: disk only.
                 memory = memory and meta["vm.flush"] == FSFREEZE
                 frozen = time.monotonic()
@@ -435,7 +451,7 @@ class Sandbox:
                     if meta["vm.flush"] == FSFREEZE:
                         self._thaw(link, snap, settle=skip_unchanged)
             (self.directory / RAN).unlink(missing_ok=True)
-            marker.unlink()
+            intents.clear(self.directory, durable=False)
             if memory_snap is not None:
                 self.standby.prepare(memory_snap.id, snap.id, then=self._start_waiting)
             self.last_checkpoint = CheckpointTiming(
@@ -482,6 +498,7 @@ class Sandbox:
                                      read_later=not disk_in_pause) as pause:
                 if memory:
                     memory_capture.take_more()
+                crash_point("checkpoint.paused")
                 if disk_in_pause:
                     disk_capture = captures.enter_context(
                         self.store.capturing(self.disk, written=pause.written))
@@ -496,6 +513,7 @@ class Sandbox:
                                                disk_in_pause=True)
             if memory_capture is not None:
                 meta[MEMORY_KEY] = memory_capture.snap_id
+            crash_point("checkpoint.captured")
             if skip_unchanged and disk_capture.unchanged:
                 snap = disk_capture.parent
             else:
@@ -579,7 +597,12 @@ class Sandbox:
         be done, it is rebooted); a stopped VM stays stopped."""
         snap = self.store.get(snapshot_id)
         memory_snap = None if disk_only else self._memory_of(snap, self.machine)
-        with self._lock():
+        # Recorded (synced: a host crash may leave the disk half restored)
+        # before anything is touched, removed once the VM is at the
+        # checkpoint; an interrupted restore is finished by the next command
+        # (see blockdiff.vm.recovery).
+        with self._lock(recovery.REPLACE), intents.pending(
+                self.directory, RESTORE, snapshot=snap.id, disk_only=memory_snap is None):
             start = time.monotonic()
             rebooted = tracked = False
             self.memory_source = ""
@@ -598,7 +621,9 @@ class Sandbox:
                         with contextlib.suppress(VMError):
                             written = self.machine.stop_for_good(
                                 self.store.lineage_mark(self.disk))
+                    crash_point("restore.stopped")
                     self._kill(keep_waiting=True)    # for the launch to take over
+                    crash_point("restore.killed")
                     killed = time.monotonic()
                     # Then the disk, in place, beside the standby's move and
                     # the resume: the guest uses it only once resumed.
@@ -609,6 +634,7 @@ class Sandbox:
                     (self.directory / RESUME_FROM).unlink(missing_ok=True)
                     if self.standby.take(self.machine.memory_image, memory_snap.size):
                         self.memory_source = "standby"
+                    crash_point("restore.taken")
                     self._resume(snap, memory_snap, timeout, written=written,
                                  disk_ahead=disk_ahead)
                 tracked = written is not None
@@ -780,7 +806,9 @@ class Sandbox:
         try:
             with self.machine.guest() as link:
                 link.detach(timeout=self.guest_timeout)
+                crash_point("restore.detached")
                 with self.machine.paused(self.store.lineage_mark(self.disk)) as pause:
+                    crash_point("restore.swap-paused")
                     self.store.restore(snap.id, self.disk, written=pause.written)
                 # The bitmap that started in the pause started with the disk
                 # being the snapshot (the guest wrote nothing: detached).
@@ -841,9 +869,17 @@ class Sandbox:
         # With memory, the disk and the memory image are made empty at their
         # sizes, and filled in place as a restore fills them: the memory
         # image while QEMU starts, the disk while it loads the device state.
+        # A fork with memory is registered with an intent record, removed
+        # once it is made: one interrupted is made again by the next command
+        # on it (see blockdiff.vm.recovery).
+        intent = None if memory_snap is None else {
+            "snapshot": snap.id, "memory": memory_snap.id, "start": start,
+            "source": _standby.path.parent.name if _standby is not None else None}
         other = Sandbox.create(store, name, snapshot=snap.id, kernel=kernel,
                                memory_mb=memory_mb, cpus=cpus, memory=memory,
-                               progress=progress, _disk_later=memory_snap is not None)
+                               progress=progress, _disk_later=memory_snap is not None,
+                               _intent=intent)
+        crash_point("fork.registered")
         if memory_snap is not None:
             yielding = _standby.yielding() if _standby is not None else contextlib.nullcontext()
             try:
@@ -852,6 +888,7 @@ class Sandbox:
             except BaseException:
                 other.destroy()
                 raise
+            intents.clear(other.directory)
             if "spare" in (other.memory_source, other.disk_source):
                 # The spares taken made anew, while this fork runs: the
                 # memory spare a clone of the standby as it is (a move costs
@@ -880,6 +917,7 @@ class Sandbox:
         self.memory_source = self._new_memory_image(memory_snap, standby, given[0])
         if given[1]:
             self.disk_source = "spare"
+        crash_point("fork.images")
         if (self.memory_source == self.disk_source == "spare"
                 and self.machine.hand_over_waiting(standby.path.parent)
                 and not start):
