@@ -175,14 +175,15 @@ class GuestLink:
         return self.request(PING, b"", timeout, "a ping").decode(errors="replace")
 
     def exec(self, argv: list[str], *, timeout: float | None = None, stdin: bytes = b"",
-             cwd: str = "/", answer_within: float = ANSWER_WAIT) -> ExecResult:
+             cwd: str = "/", answer_within: float | None = None) -> ExecResult:
         """Run ``argv`` in the guest (chrooted into its disk). ``timeout`` kills
         the command in the guest; the host waits a little longer for the reply.
         Without one, the daemon must first answer a ping within
-        ``answer_within`` seconds (GuestTimeout if not)."""
+        ``answer_within`` seconds (``ANSWER_WAIT`` by default; GuestTimeout if not)."""
         if not argv:
             raise GuestError("nothing to run: give a command")
         if not timeout:
+            answer_within = ANSWER_WAIT if answer_within is None else answer_within
             try:
                 self.ping(timeout=answer_within)
             except GuestTimeout:
