@@ -74,6 +74,31 @@ def killed_after(store, seconds: float, *args) -> None:
     process.wait(COMMAND_TIMEOUT)
 
 
+def killed_when(store, condition, *args) -> None:
+    """Run a command and SIGKILL it as soon as ``condition()`` holds (polled,
+    bounded), or let it finish."""
+    process = subprocess.Popen([sys.executable, "-m", "blockdiff", *args],
+                               env=environment(store), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + COMMAND_TIMEOUT
+    while process.poll() is None and time.monotonic() < deadline:
+        if condition():
+            process.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    process.wait(COMMAND_TIMEOUT)
+
+
+def new_qemu(box):
+    """A condition: VM ``box`` has a QEMU other than the one it has now."""
+    before = box.pid
+
+    def appeared() -> bool:
+        now = box.machine.pid
+        return now is not None and now != before
+    return appeared
+
+
 def timed(store, *args) -> float:
     began = time.monotonic()
     done = cli(store, *args)
@@ -191,6 +216,16 @@ def test_a_killed_restore_is_finished_by_the_next_command(store, box, tmp_path):
         assert_at_checkpoint(store, "box", pid, digest, "restored-step")
         # The step after, which each restore undoes.
         in_guest(store, "box", f"kill {pid}; echo later > /step")
+
+    # Killed as soon as its new QEMU is there (waiting for the device state,
+    # or loading it), which no one would resume.
+    for which in NEXT if FULL else ["exec"]:
+        in_guest(store, "box", f"kill {pid}; echo later > /step")
+        killed_when(store, new_qemu(box), "vm", "restore", "box", checkpoint)
+        next_command(store, "box", which, checkpoint, tmp_path)
+        if in_guest(store, "box", "cat /step").stdout.strip() == "later":
+            assert cli(store, "vm", "restore", "box", checkpoint).returncode == 0
+        assert_at_checkpoint(store, "box", pid, digest, "restored-step")
 
     # Killed at moments spread over its measured duration (the issue's
     # 0.4-0.8 s), then each next command.
