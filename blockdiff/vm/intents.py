@@ -139,12 +139,19 @@ def clear(directory: Path, *, durable: bool = True) -> None:
 
 
 @contextlib.contextmanager
-def pending(directory: Path, op: str, *, durable: bool = True, **args):
-    """The record of ``op`` for the block, removed when the block succeeds.
-    A block that raises leaves it: what the failure left half done is for
-    the next command to finish or undo, as after a crash."""
+def pending(directory: Path, op: str, *, durable: bool = True, failed: bool = False,
+            **args):
+    """The record of ``op`` for the block, removed when the block succeeds
+    (or, with ``failed``, raises). A block that raises leaves it otherwise:
+    what the failure left half done is for the next command to finish or
+    undo, as after a crash."""
     intent = write(directory, op, durable=durable, **args)
-    yield intent
+    try:
+        yield intent
+    except BaseException:
+        if failed:
+            clear(directory, durable=durable)
+        raise
     clear(directory, durable=durable)
 
 

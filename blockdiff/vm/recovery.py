@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 
 from blockdiff.errors import StoreError, UnknownSnapshot, UnknownVM, VMError
 from blockdiff.vm import intents
@@ -53,6 +54,21 @@ UNDER_WAY = {CHECKPOINT: "checkpointing", RESTORE: "restoring", FORK: "forking",
 INTERRUPTED = {CHECKPOINT: "checkpoint interrupted", RESTORE: "restore interrupted",
                FORK: "fork incomplete", START: "start interrupted",
                CREATE: "creation interrupted"}
+
+
+@dataclass(frozen=True)
+class VMStatus:
+    """What ``vm ls`` shows of a VM."""
+
+    name: str
+    running: bool                   # the guest runs (``state`` is "running")
+    pid: int | None
+    snapshot: str | None
+    accel: str | None
+    memory: bool = False            # the VM's checkpoints hold its memory
+    snapshot_memory: bool = False   # the snapshot it descends from holds memory
+    state: str = "stopped"          # see state()
+    qemu: str | None = None         # QEMU's own run state
 
 
 def recover(box, purpose: str = USE) -> None:
@@ -151,6 +167,16 @@ def _finish_fork(box, intent: Intent, purpose: str) -> None:
                       f"{box.name})") from None
 
 
+def fork_intent(snap, memory_snap, start: bool, standby) -> dict | None:
+    """The arguments of the intent record a fork from checkpoint ``snap``
+    (with memory ``memory_snap``; None without: nothing is left half made)
+    is registered with, taking the spares of ``standby`` if given."""
+    if memory_snap is None:
+        return None
+    return {"snapshot": snap.id, "memory": memory_snap.id, "start": start,
+            "source": standby.path.parent.name if standby is not None else None}
+
+
 def _one_line(error: BaseException) -> str:
     text = str(error) or type(error).__name__
     return text.splitlines()[0] if text else text
@@ -174,6 +200,19 @@ def qemu_run_state(directory) -> str | None:
         return "unresponsive"
     finally:
         os.close(fd)
+
+
+def status(box, memory_key: str) -> VMStatus:
+    """VM ``box``'s status: what it is, and the snapshot its disk descends
+    from (and whether that one's metadata has ``memory_key``)."""
+    snapshot, _ = box.store.lineage(box.disk)
+    with_memory = False
+    if snapshot is not None:
+        with contextlib.suppress(UnknownSnapshot):
+            with_memory = memory_key in box.store.get(snapshot).meta
+    what, run_state = state(box)
+    return VMStatus(box.name, what == "running", box.machine.pid, snapshot, box.machine.accel,
+                    box.memory_checkpoints, with_memory, what, run_state)
 
 
 def state(box) -> tuple[str, str | None]:

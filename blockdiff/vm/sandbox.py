@@ -61,6 +61,7 @@ from blockdiff.vm import intents, recovery
 from blockdiff.vm.guestlink import THAW, ExecResult, GuestLink
 from blockdiff.vm.intents import CHECKPOINT, FORK, RESTORE, START, crash_point
 from blockdiff.vm.machine import DEFAULT_BOOT_TIMEOUT, Machine, fork_waiting
+from blockdiff.vm.recovery import VMStatus
 from blockdiff.vm.registry import Registry, check_name
 from blockdiff.vm.standby import NOTHING_WRITTEN, Standby
 
@@ -105,23 +106,6 @@ class RestoreTiming:
     memory: bool = False    # the VM resumed from the checkpoint's memory, processes and all
     standby: bool = False   # its memory image was the standby (blockdiff.vm.standby)
     prestarted: bool = False   # its QEMU had been started ahead (Machine.start_waiting)
-
-
-@dataclass(frozen=True)
-class VMStatus:
-    """What ``vm ls`` shows of a VM."""
-
-    name: str
-    running: bool
-    pid: int | None
-    snapshot: str | None
-    accel: str | None
-    memory: bool = False            # the VM's checkpoints hold its memory
-    snapshot_memory: bool = False   # the snapshot it descends from holds memory
-    # What it is (see blockdiff.vm.recovery.state): running, stopped, paused,
-    # an operation under way or interrupted; and QEMU's own run state.
-    state: str = "stopped"
-    qemu: str | None = None
 
 
 class Sandbox:
@@ -258,15 +242,7 @@ class Sandbox:
     def status(self) -> VMStatus:
         """What the VM is (asking QEMU, bounded), and the snapshot its disk
         descends from."""
-        snapshot, _ = self.store.lineage(self.disk)
-        pid = self.pid
-        with_memory = False
-        if snapshot is not None:
-            with contextlib.suppress(UnknownSnapshot):
-                with_memory = MEMORY_KEY in self.store.get(snapshot).meta
-        state, run_state = recovery.state(self)
-        return VMStatus(self.name, state == "running", pid, snapshot, self.machine.accel,
-                        self.memory_checkpoints, with_memory, state, run_state)
+        return recovery.status(self, MEMORY_KEY)
 
     @contextlib.contextmanager
     def _lock(self, purpose: str = recovery.USE):
@@ -296,10 +272,8 @@ class Sandbox:
             if self.machine.running:
                 return
             marker = self.directory / RESUME_FROM
-            # Only a crash leaves the record: a launch that fails kills its
-            # QEMU. Nothing of a start is left half done on disk.
-            intents.write(self.directory, START, durable=False)
-            try:
+            # Only a crash leaves it (a launch that fails kills its QEMU).
+            with intents.pending(self.directory, START, durable=False, failed=True):
                 if marker.exists():
                     # A fork left stopped: it resumes from its checkpoint's memory.
                     self.machine.launch(timeout, progress, incoming=True,
@@ -308,8 +282,6 @@ class Sandbox:
                     marker.unlink()
                 else:
                     self._boot(timeout, progress)
-            finally:
-                intents.clear(self.directory, durable=False)
 
     def _boot(self, timeout: float, progress: Progress = NO_PROGRESS) -> None:
         """Boot QEMU; with memory checkpoints, its RAM as the memory image,
@@ -434,8 +406,7 @@ class Sandbox:
                 if unchanged is not None:
                     self.last_checkpoint = CheckpointTiming(0.0, 0.0, time.monotonic() - start)
                     return unchanged
-            # Not synced: what it guards (a paused QEMU, a frozen guest) dies
-            # with the host.
+            # Not synced: what it guards (a paused QEMU, a frozen guest) dies with the host.
             intents.write(self.directory, CHECKPOINT, durable=False)
             with self.machine.guest() as link, self.machine.qmp():
                 meta["vm.flush"] = self._freeze(link, processes=memory)
@@ -597,10 +568,8 @@ class Sandbox:
         be done, it is rebooted); a stopped VM stays stopped."""
         snap = self.store.get(snapshot_id)
         memory_snap = None if disk_only else self._memory_of(snap, self.machine)
-        # Recorded (synced: a host crash may leave the disk half restored)
-        # before anything is touched, removed once the VM is at the
-        # checkpoint; an interrupted restore is finished by the next command
-        # (see blockdiff.vm.recovery).
+        # Synced (a host crash may leave the disk half restored); the next
+        # command finishes an interrupted restore (see blockdiff.vm.recovery).
         with self._lock(recovery.REPLACE), intents.pending(
                 self.directory, RESTORE, snapshot=snap.id, disk_only=memory_snap is None):
             start = time.monotonic()
@@ -761,21 +730,10 @@ class Sandbox:
     def _memory_of(self, snap: Snapshot, machine: Machine) -> Snapshot | None:
         """The memory snapshot of checkpoint ``snap`` (None for a disk-only
         one), if ``machine`` can resume it; VMError saying what to do if not."""
-        memory_snap = self._memory_snapshot(snap)
+        memory_snap = memory_snapshot(self.store, snap, "restore its disk only")
         if memory_snap is not None:
             self._check_machine(snap, memory_snap, machine)
         return memory_snap
-
-    def _memory_snapshot(self, snap: Snapshot) -> Snapshot | None:
-        memory_id = snap.meta.get(MEMORY_KEY)
-        if memory_id is None:
-            return None
-        try:
-            return self.store.get(memory_id)
-        except UnknownSnapshot:
-            raise VMError(f"the memory of checkpoint {snap.id} (snapshot {memory_id}) is not "
-                          f"in the store (removed, or its checkpoint was interrupted); restore "
-                          f"its disk only (--disk-only)") from None
 
     def _check_machine(self, snap: Snapshot, memory_snap: Snapshot, machine: Machine) -> None:
         """VMError, saying what to do, unless ``machine`` is the machine the
@@ -853,15 +811,8 @@ class Sandbox:
         memory image and disk whole."""
         store = as_store(store)
         snap = store.get(snapshot_id)
-        memory_snap = None
-        if not disk_only and snap.meta.get(MEMORY_KEY) is not None:
-            try:
-                memory_snap = store.get(snap.meta[MEMORY_KEY])
-            except UnknownSnapshot:
-                raise VMError(f"the memory of checkpoint {snap.id} (snapshot "
-                              f"{snap.meta[MEMORY_KEY]}) is not in the store (removed, or its "
-                              f"checkpoint was interrupted); start from its disk only "
-                              f"(--disk-only)") from None
+        memory_snap = None if disk_only else memory_snapshot(store, snap,
+                                                             "start from its disk only")
         if memory_snap is not None:
             recorded = recorded_machine(memory_snap)
             memory_mb = recorded.get("memory_mb", memory_mb)
@@ -869,16 +820,12 @@ class Sandbox:
         # With memory, the disk and the memory image are made empty at their
         # sizes, and filled in place as a restore fills them: the memory
         # image while QEMU starts, the disk while it loads the device state.
-        # A fork with memory is registered with an intent record, removed
-        # once it is made: one interrupted is made again by the next command
-        # on it (see blockdiff.vm.recovery).
-        intent = None if memory_snap is None else {
-            "snapshot": snap.id, "memory": memory_snap.id, "start": start,
-            "source": _standby.path.parent.name if _standby is not None else None}
+        # Registered with an intent record: the next command on a fork
+        # interrupted makes it again (see blockdiff.vm.recovery).
         other = Sandbox.create(store, name, snapshot=snap.id, kernel=kernel,
                                memory_mb=memory_mb, cpus=cpus, memory=memory,
                                progress=progress, _disk_later=memory_snap is not None,
-                               _intent=intent)
+                               _intent=recovery.fork_intent(snap, memory_snap, start, _standby))
         crash_point("fork.registered")
         if memory_snap is not None:
             yielding = _standby.yielding() if _standby is not None else contextlib.nullcontext()
@@ -959,6 +906,20 @@ def _empty_file(path: Path, size: int, mode: int) -> None:
         os.ftruncate(fd, size)
     finally:
         os.close(fd)
+
+
+def memory_snapshot(store: Store, snap: Snapshot, fix: str) -> Snapshot | None:
+    """The memory snapshot of checkpoint ``snap`` (None for a disk-only
+    one); VMError ending in ``fix`` (what to do) if it is not in the store."""
+    memory_id = snap.meta.get(MEMORY_KEY)
+    if memory_id is None:
+        return None
+    try:
+        return store.get(memory_id)
+    except UnknownSnapshot:
+        raise VMError(f"the memory of checkpoint {snap.id} (snapshot {memory_id}) is not in "
+                      f"the store (removed, or its checkpoint was interrupted); {fix} "
+                      f"(--disk-only)") from None
 
 
 def recorded_machine(memory_snap: Snapshot) -> dict:
