@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 INTENT = "intent.json"
+LOCK = "lock"   # the VM's lock, held by every operation but a fork's start
 # A record is small; anything larger is not one of ours.
 MAX_RECORD = 64 << 10
 CRASH_ENV = "BLOCKDIFF_VM_CRASH_AT"

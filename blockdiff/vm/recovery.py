@@ -30,6 +30,7 @@ QEMU itself (``query-status``, bounded), never from a pid file alone.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 from dataclasses import dataclass
 
@@ -76,10 +77,14 @@ def recover(box, purpose: str = USE) -> None:
     (a :class:`~blockdiff.vm.sandbox.Sandbox`, its lock held), as the
     module's docstring says; ``purpose`` is what the caller does next."""
     intent = intents.read(box.directory)
-    if intent is None or intent.mine():
+    if intent is None:
+        return
+    # Any other operation wrote its record under the lock, so it is over
+    # (killed, or failed, in this process or another); a fork takes the
+    # new VM's lock only once it is registered.
+    if intent.op == FORK and intent.mine():
         return
     if intent.op == FORK and intent.writer_alive() and purpose != REMOVE:
-        # A fork takes the new VM's lock only once it is registered.
         raise VMError(f"VM {box.name} is being forked by process {intent.pid}; wait for it "
                       f"to finish (or remove the VM: blockdiff vm rm {box.name})")
     if intent.op == CHECKPOINT:
@@ -185,6 +190,21 @@ def _one_line(error: BaseException) -> str:
 # ------------------------------------------------------------ what it is
 
 
+def _locked(directory) -> bool:
+    """Whether a command holds the VM's lock now (probed, not waited for)."""
+    try:
+        fd = os.open(directory / intents.LOCK, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)   # which lets go of the probe's own hold
+    return False
+
+
 def qemu_run_state(directory) -> str | None:
     """QEMU's run state (``query-status``: ``running``, ``paused``,
     ``inmigrate``...), or ``unresponsive`` if it does not answer within
@@ -225,8 +245,9 @@ def state(box) -> tuple[str, str | None]:
     pid = box.machine.pid
     run_state = qemu_run_state(box.directory) if pid is not None else None
     intent = intents.read(box.directory)
-    if intent is not None and not intent.mine():
-        if intent.writer_alive():
+    if intent is not None:
+        # Under way while its writer holds the lock (a fork: while it runs).
+        if intent.writer_alive() if intent.op == FORK else _locked(box.directory):
             return UNDER_WAY.get(intent.op, intent.op), run_state
         return INTERRUPTED.get(intent.op, "interrupted"), run_state
     if run_state is None:

@@ -65,7 +65,7 @@ from blockdiff.vm.recovery import VMStatus
 from blockdiff.vm.registry import Registry, check_name
 from blockdiff.vm.standby import NOTHING_WRITTEN, Standby
 
-LOCK = "lock"
+LOCK = intents.LOCK
 LAST_CHECKPOINT = "last-checkpoint.json"
 RAN = "ran"
 RESUME_FROM = "resume-from"
