@@ -327,3 +327,40 @@ def test_exec_on_a_guest_that_does_not_answer_times_out(store, box, monkeypatch)
     assert len(done.stderr.strip().splitlines()) == 1
     box.machine.resume()
     assert box.exec("true").status == 0
+
+
+def test_intent_records_name_their_writer_and_survive_damage(tmp_path):
+    from blockdiff.vm import intents
+
+    with intents.pending(tmp_path, "restore", snapshot="abc") as intent:
+        found = intents.read(tmp_path)
+        assert found == intent and found.mine() and found.writer_alive()
+        assert found.args == {"snapshot": "abc"} and found.describe() == "restore of abc"
+    assert intents.read(tmp_path) is None
+    # A writer that is gone, and a pid the kernel hands out again, are told apart.
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    (tmp_path / intents.INTENT).write_text(json.dumps(
+        {"op": "fork", "pid": int(gone), "started": 1, "args": {}}))
+    assert not intents.read(tmp_path).writer_alive()
+    # A damaged record is an operation of unknown kind whose writer is gone.
+    for damaged in (b"\xff\xfe", b"[1, 2]", b"{" * 100000, b'{"op": "x"}'):
+        (tmp_path / intents.INTENT).write_bytes(damaged)
+        found = intents.read(tmp_path)
+        assert found.op == "unknown" and not found.writer_alive()
+    with pytest.raises(RuntimeError, match="failed"), \
+            intents.pending(tmp_path, "start", durable=False, failed=True):
+        raise RuntimeError("failed")
+    assert intents.read(tmp_path) is None
+
+
+def test_a_vm_create_killed_before_it_was_registered_leaves_its_name_free(store, vm_image):
+    done = cli(store, "vm", "create", "half", "--image", str(vm_image.rootfs),
+               crash_at="registry.staged")
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert status(store, "half") is None
+    done = cli(store, "vm", "create", "half", "--image", str(vm_image.rootfs))
+    assert done.returncode == 0, done.stderr
+    assert status(store, "half")["state"] == "stopped"
+    assert not (store.root / "vms" / "half" / "intent.json").exists()
+    assert not (store.root / "vms" / ".half.creating").exists()

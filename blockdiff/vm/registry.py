@@ -136,6 +136,7 @@ class Registry:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir()
             write_disk(staging / DISK)
+            intents.crash_point("registry.staged")
             config = {"name": name, **config, "created": time.time()}
             (staging / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
             for entry in sorted(staging.iterdir(), key=lambda e: e.name == CONFIG):
