@@ -259,6 +259,24 @@ def test_a_killed_restore_then_stop_leaves_it_stopped_at_the_checkpoint(store, b
     assert_at_checkpoint(store, "box", pid, digest, "restored-step")
 
 
+def test_a_killed_disk_swap_leaves_the_vm_stopped_at_the_snapshot(store, box, tmp_path):
+    pid, digest, checkpoint = checkpointed_step(box, "swapped-step")
+    for point in ["restore.detached", "restore.swap-paused"]:
+        in_guest(store, "box", f"kill {pid}; echo later > /step")
+        done = cli(store, "vm", "restore", "box", checkpoint, "--disk-only", crash_at=point)
+        assert done.returncode == -signal.SIGKILL, (point, done.stderr)
+        assert status(store, "box")["state"] == "restore interrupted"
+        # The guest was detached (its processes ended, its disk unmounted),
+        # perhaps paused: the next command finishes the disk's restore and
+        # leaves the VM clearly stopped, and says so.
+        done = in_guest(store, "box", "true")
+        assert done.returncode == 9 and "not running" in done.stderr, done.stderr
+        assert_stopped_at(store, "box", checkpoint, tmp_path)
+        done = cli(store, "vm", "restore", "box", checkpoint)
+        assert done.returncode == 0, done.stderr
+        assert_at_checkpoint(store, "box", pid, digest, "swapped-step")
+
+
 def test_a_killed_fork_is_made_again_or_removed(store, box, tmp_path):
     pid, digest, checkpoint = checkpointed_step(box, "forked-step")
     sweep = [(point, which, None) for point, which in cases(FORK_POINTS)]
