@@ -259,22 +259,25 @@ def test_a_killed_restore_then_stop_leaves_it_stopped_at_the_checkpoint(store, b
     assert_at_checkpoint(store, "box", pid, digest, "restored-step")
 
 
-def test_a_killed_disk_swap_leaves_the_vm_stopped_at_the_snapshot(store, box, tmp_path):
-    pid, digest, checkpoint = checkpointed_step(box, "swapped-step")
-    for point in ["restore.detached", "restore.swap-paused"]:
-        in_guest(store, "box", f"kill {pid}; echo later > /step")
-        done = cli(store, "vm", "restore", "box", checkpoint, "--disk-only", crash_at=point)
-        assert done.returncode == -signal.SIGKILL, (point, done.stderr)
-        assert status(store, "box")["state"] == "restore interrupted"
-        # The guest was detached (its processes ended, its disk unmounted),
-        # perhaps paused: the next command finishes the disk's restore and
-        # leaves the VM clearly stopped, and says so.
-        done = in_guest(store, "box", "true")
-        assert done.returncode == 9 and "not running" in done.stderr, done.stderr
-        assert_stopped_at(store, "box", checkpoint, tmp_path)
-        done = cli(store, "vm", "restore", "box", checkpoint)
-        assert done.returncode == 0, done.stderr
-        assert_at_checkpoint(store, "box", pid, digest, "swapped-step")
+def test_a_killed_disk_swap_leaves_the_vm_stopped_at_the_snapshot(store, vm_image, tmp_path):
+    # A disk-only VM's restore swaps the disk under the running guest.
+    with Sandbox.create(store, "plain", image=vm_image.rootfs, memory=False) as plain:
+        plain.start()
+        test_vm_memory.run(plain, "echo swapped-step > /step && sync")
+        snapshot = plain.checkpoint("step")
+        for point in ["restore.detached", "restore.swap-paused"]:
+            assert in_guest(store, "plain", "echo later > /step").returncode == 0
+            done = cli(store, "vm", "restore", "plain", snapshot, crash_at=point)
+            assert done.returncode == -signal.SIGKILL, (point, done.stdout, done.stderr)
+            assert status(store, "plain")["state"] == "restore interrupted"
+            # The guest was detached (its processes ended, its disk
+            # unmounted), perhaps paused: the next command finishes the
+            # disk's restore and leaves the VM clearly stopped, and says so.
+            done = in_guest(store, "plain", "true")
+            assert done.returncode == 9 and "not running" in done.stderr, done.stderr
+            assert_stopped_at(store, "plain", snapshot, tmp_path)
+            assert cli(store, "vm", "start", "plain").returncode == 0
+            assert in_guest(store, "plain", "cat /step").stdout == "swapped-step\n"
 
 
 def test_a_killed_fork_is_made_again_or_removed(store, box, tmp_path):
