@@ -288,15 +288,18 @@ def test_a_guest_that_does_not_answer_times_out_clearly(store, box):
 
 
 def test_a_checkpoint_killed_midway_leaves_no_paused_or_frozen_vm(store, box):
-    # What a checkpointing process leaves behind when it dies between the
-    # freeze and the thaw: the guest frozen, the VM paused, the marker.
-    (box.directory / "checkpointing").touch()
-    with box.machine.guest() as link:
-        link.freeze(auto_thaw=600)
-    box.machine.pause()
+    # A checkpointing process killed between the freeze and the thaw, the
+    # VM paused: it leaves the guest frozen, the VM paused, its intent record.
+    env = dict(os.environ, BLOCKDIFF_STORE=str(store.root),
+               BLOCKDIFF_VM_CRASH_AT="checkpoint.paused")
+    done = _cli("vm", "snapshot", "box", "-m", "killed", env=env)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert (box.directory / "intent.json").exists()
+    assert box.status().state == "checkpoint interrupted" and box.status().qemu == "paused"
     result = box.exec("echo ok > /after && cat /after", timeout=30)
     assert result.stdout == b"ok\n"
-    assert not (box.directory / "checkpointing").exists()
+    assert not (box.directory / "intent.json").exists()
+    assert box.status().state == "running"
     box.checkpoint("after recovery")
     assert box.last_checkpoint.paused < 5.0
 

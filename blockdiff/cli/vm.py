@@ -302,6 +302,10 @@ def vm_ls(store_path, as_json):
     """List the store's VMs: state, accelerator, whether their checkpoints hold
     memory, and the snapshot each descends from (and whether it has memory).
 
+    The state is what QEMU says (running, paused, waiting) or an operation
+    under way or interrupted (restoring, restore interrupted, fork
+    incomplete...), which the next command on the VM finishes or undoes.
+
     \b
     Example:
       blockdiff vm ls --json
@@ -312,7 +316,7 @@ def vm_ls(store_path, as_json):
     if as_json:
         return emit_records(statuses)
     for s in statuses:
-        state = f"running (pid {s.pid}, {s.accel})" if s.running else "stopped"
+        state = f"{s.state} (pid {s.pid}, {s.accel})" if s.pid is not None else s.state
         kind = "whole-VM" if s.memory else "disk-only"
         held = "" if s.snapshot is None else (" (with memory)" if s.snapshot_memory
                                               else " (disk only)")

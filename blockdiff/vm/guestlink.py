@@ -48,6 +48,11 @@ RESEED_BYTES = 64
 MEMORY_CHECKPOINT_VERSION = 2
 # How long past a command's own timeout the host waits for the guest's answer.
 ANSWER_GRACE = 5.0
+# How long the host waits for the daemon to answer a ping before a command of
+# no timeout of its own, which may then run as long as it takes: a guest that
+# is paused, hung or not resumed does not answer, and is not waited on for
+# ever. A ping is answered in milliseconds by a daemon that runs.
+ANSWER_WAIT = 30.0
 
 
 @dataclass(frozen=True)
@@ -170,11 +175,22 @@ class GuestLink:
         return self.request(PING, b"", timeout, "a ping").decode(errors="replace")
 
     def exec(self, argv: list[str], *, timeout: float | None = None, stdin: bytes = b"",
-             cwd: str = "/") -> ExecResult:
+             cwd: str = "/", answer_within: float | None = None) -> ExecResult:
         """Run ``argv`` in the guest (chrooted into its disk). ``timeout`` kills
-        the command in the guest; the host waits a little longer for the reply."""
+        the command in the guest; the host waits a little longer for the reply.
+        Without one, the daemon must first answer a ping within
+        ``answer_within`` seconds (``ANSWER_WAIT`` by default; GuestTimeout if not)."""
         if not argv:
             raise GuestError("nothing to run: give a command")
+        if not timeout:
+            answer_within = ANSWER_WAIT if answer_within is None else answer_within
+            try:
+                self.ping(timeout=answer_within)
+            except GuestTimeout:
+                raise GuestTimeout(f"the guest daemon did not answer within "
+                                   f"{answer_within:g} s, so {argv[0]!r} was not run; the VM "
+                                   f"may be paused or hung (see blockdiff vm ls and its "
+                                   f"console.log)") from None
         strings = b"".join(a.encode() + b"\0" for a in argv) + cwd.encode() + b"\0"
         timeout_ms = int(timeout * 1000) if timeout else 0
         payload = struct.pack("<IIII", timeout_ms, len(argv), len(stdin), 0) + strings + stdin

@@ -68,6 +68,7 @@ from blockdiff import native
 from blockdiff.errors import BlockdiffError, DiskUsedEarly, GuestTimeout, VMError
 from blockdiff.progress import NO_PROGRESS, Progress, Steps
 from blockdiff.vm.guestlink import MEMORY_CHECKPOINT_VERSION, GuestLink, connect_unix
+from blockdiff.vm.intents import crash_point
 from blockdiff.vm.nbd import dirty_ranges
 from blockdiff.vm.qemu import (
     CONSOLE_LOG,
@@ -520,6 +521,7 @@ class Machine:
             # instead of first waiting out a closed port.
             with self.guest() as link, self.qmp() as q, self._dir_fd() as dir_fd:
                 set_ignore_shared(q)
+                crash_point("resume.started")
                 fd = os.open(self.memory_image, os.O_RDONLY | os.O_CLOEXEC)
                 try:
                     os.lseek(fd, self.ram_bytes, os.SEEK_SET)
@@ -528,6 +530,7 @@ class Machine:
                     os.close(fd)
                 q.command("migrate-incoming", uri=f"fd:{DEVICE_STATE_FD}")
                 wait_for_migration(q, timeout, "loading the checkpoint's device state")
+                crash_point("resume.loaded")
                 loaded = time.monotonic()
                 bitmap = None
                 with contextlib.suppress(VMError, OSError):
@@ -554,6 +557,7 @@ class Machine:
                     with contextlib.suppress(OSError):
                         self.tracking.write(Generation(self.pid, bitmap, mark))
                 answering = _usage(self.pid)
+                crash_point("resume.running")
                 link.resume(timeout=timeout)
                 answered = _usage(self.pid)
             if warming is None:

@@ -31,6 +31,7 @@ from blockdiff.engine.identity import sha256_file
 from blockdiff.errors import UnknownVM, UsageError, VMError
 from blockdiff.store.catalog import Snapshot
 from blockdiff.store.store import Store
+from blockdiff.vm import intents
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 KERNEL_FILES = ("vmlinuz", "initrd.img")
@@ -107,34 +108,57 @@ class Registry:
         return [d.name for d in sorted(self.root.iterdir())
                 if not d.name.startswith(".") and (d / CONFIG).is_file()]
 
-    def add(self, name: str, config: dict, write_disk: Callable[[Path], None]) -> VMEntry:
+    def add(self, name: str, config: dict, write_disk: Callable[[Path], None], *,
+            intent: tuple[str, dict] | None = None) -> VMEntry:
         """A new VM: ``write_disk(path)`` makes its disk, ``config`` (with its
         name and the time added) becomes its ``vm.json``. Everything is made in
-        a staging directory and moved in whole; a name already taken is a
-        VMError, and a failure leaves nothing behind."""
+        a staging directory and moved in whole, ``vm.json`` last; a name
+        already taken is a VMError, and a failure leaves nothing behind.
+        ``intent``: ``(op, args)`` of an intent record (blockdiff.vm.intents)
+        the VM is registered with, for its maker to remove once it is done.
+
+        The directory holds an intent record from the moment it is made, so
+        that one left by a process killed before the VM was registered (no
+        ``vm.json``) is known for what it is and made again."""
         check_name(name)
         self.root.mkdir(exist_ok=True)
         directory = self.root / name
         staging = self.root / f".{name}.creating"
+        self._reclaim_unregistered(directory)
         try:
             directory.mkdir()
         except FileExistsError:
             raise VMError(f"a VM named {name} already exists; remove it with: "
                           f"blockdiff vm rm {name}") from None
         try:
+            op, args = intent or (intents.CREATE, {})
+            intents.write(directory, op, **args)
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir()
             write_disk(staging / DISK)
+            intents.crash_point("registry.staged")
             config = {"name": name, **config, "created": time.time()}
             (staging / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-            for entry in staging.iterdir():
+            for entry in sorted(staging.iterdir(), key=lambda e: e.name == CONFIG):
                 os.replace(entry, directory / entry.name)
+            if intent is None:
+                intents.clear(directory)
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return self.entry(name)
+
+    @staticmethod
+    def _reclaim_unregistered(directory: Path) -> None:
+        """Remove ``directory`` if a VM's maker left it unregistered (no
+        ``vm.json``) when it was killed: its intent record's writer is gone."""
+        if not directory.is_dir() or (directory / CONFIG).exists():
+            return
+        intent = intents.read(directory)
+        if intent is not None and not intent.writer_alive():
+            shutil.rmtree(directory, ignore_errors=True)
 
     def remove(self, name: str) -> None:
         """Delete VM ``name``'s directory (its snapshots stay in the store)."""

@@ -26,7 +26,8 @@ swap). The memory snapshot records the machine it can be resumed on
 Files of the protocol in the VM's directory::
 
     lock                   serialises operations on the VM
-    checkpointing          while a checkpoint may have left the VM paused or frozen
+    intent.json            the operation under way, for the next command to finish or
+                           undo if it is interrupted (see blockdiff.vm.recovery)
     last-checkpoint.json   QEMU's count of the disk's writes after the last checkpoint
     ran                    a command ran since the last checkpoint
     resume-from            a stopped fork's memory snapshot, resumed by start()
@@ -56,13 +57,15 @@ from blockdiff.progress import NO_PROGRESS, Progress
 from blockdiff.store.catalog import Snapshot
 from blockdiff.store.retention import PART_OF
 from blockdiff.store.store import Store, as_store
+from blockdiff.vm import intents, recovery
 from blockdiff.vm.guestlink import THAW, ExecResult, GuestLink
+from blockdiff.vm.intents import CHECKPOINT, FORK, RESTORE, START, crash_point
 from blockdiff.vm.machine import DEFAULT_BOOT_TIMEOUT, Machine, fork_waiting
+from blockdiff.vm.recovery import VMStatus
 from blockdiff.vm.registry import Registry, check_name
 from blockdiff.vm.standby import NOTHING_WRITTEN, Standby
 
-LOCK = "lock"
-CHECKPOINTING = "checkpointing"
+LOCK = intents.LOCK
 LAST_CHECKPOINT = "last-checkpoint.json"
 RAN = "ran"
 RESUME_FROM = "resume-from"
@@ -105,19 +108,6 @@ class RestoreTiming:
     prestarted: bool = False   # its QEMU had been started ahead (Machine.start_waiting)
 
 
-@dataclass(frozen=True)
-class VMStatus:
-    """What ``vm ls`` shows of a VM."""
-
-    name: str
-    running: bool
-    pid: int | None
-    snapshot: str | None
-    accel: str | None
-    memory: bool = False            # the VM's checkpoints hold its memory
-    snapshot_memory: bool = False   # the snapshot it descends from holds memory
-
-
 class Sandbox:
     """One sandbox VM. Use it as a context manager: the VM is stopped on exit
     (and its directory removed if it was created ``ephemeral``)."""
@@ -149,6 +139,7 @@ class Sandbox:
         # Seconds per phase of the last resume from a memory checkpoint
         # (the machine's own phases are in machine.last_launch).
         self.last_restore_phases: dict[str, float] = {}
+        self._locked = False   # this object holds the VM's lock (recovery re-enters it)
 
     # ----------------------------------------------------------- creation
 
@@ -157,7 +148,8 @@ class Sandbox:
                image: str | os.PathLike | None = None, snapshot: str | None = None,
                kernel: str | os.PathLike | None = None, memory_mb: int = 256, cpus: int = 1,
                ephemeral: bool = False, memory: bool | None = None,
-               progress: Progress = NO_PROGRESS, _disk_later: bool = False) -> "Sandbox":
+               progress: Progress = NO_PROGRESS, _disk_later: bool = False,
+               _intent: dict | None = None) -> "Sandbox":
         """A new, stopped VM whose disk is a copy of ``image`` (reflinked when
         it is on the store's filesystem; committed as the VM's root snapshot)
         or a fork of store snapshot ``snapshot``.
@@ -168,7 +160,9 @@ class Sandbox:
         a reflink filesystem). ``progress`` hears of the disk's bytes checked
         (a fork) or checksummed (its first commit). ``_disk_later``: the
         disk of a fork is left empty at the snapshot's size, for the caller
-        to restore in place (a resume does, beside QEMU's start)."""
+        to restore in place (a resume does, beside QEMU's start), and
+        ``_intent`` the arguments of its fork's intent record, which the VM
+        is registered with (see blockdiff.vm.intents)."""
         store = as_store(store)
         check_name(name)
         if memory is None:
@@ -197,7 +191,8 @@ class Sandbox:
 
         source = {"snapshot": snap.id} if snap else {"image": os.path.abspath(image)}
         registry.add(name, {"kernel": kernel_key, "memory_mb": memory_mb, "cpus": cpus,
-                            "memory": memory, "source": source}, write_disk)
+                            "memory": memory, "source": source}, write_disk,
+                     intent=None if _intent is None else (FORK, _intent))
         sandbox = cls(store, name)
         sandbox.ephemeral = ephemeral
         if snap is None:
@@ -245,38 +240,27 @@ class Sandbox:
         return bool(self.config.get("memory", not self.store.copy_mode))
 
     def status(self) -> VMStatus:
-        """Whether the VM runs, and the snapshot its disk descends from."""
-        snapshot, _ = self.store.lineage(self.disk)
-        pid = self.pid
-        with_memory = False
-        if snapshot is not None:
-            with contextlib.suppress(UnknownSnapshot):
-                with_memory = MEMORY_KEY in self.store.get(snapshot).meta
-        return VMStatus(self.name, pid is not None, pid, snapshot, self.machine.accel,
-                        self.memory_checkpoints, with_memory)
+        """What the VM is (asking QEMU, bounded), and the snapshot its disk
+        descends from."""
+        return recovery.status(self, MEMORY_KEY)
 
     @contextlib.contextmanager
-    def _lock(self):
+    def _lock(self, purpose: str = recovery.USE):
+        """The VM's lock for the block, once what an interrupted operation
+        left is finished or undone (see blockdiff.vm.recovery; ``purpose``:
+        what the block does with the VM). Re-entered by that recovery."""
+        if self._locked:
+            yield
+            return
         fd = os.open(self.directory / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            self._recover_checkpoint()
+            self._locked = True
+            recovery.recover(self, purpose)
             yield
         finally:
+            self._locked = False
             os.close(fd)
-
-    def _recover_checkpoint(self) -> None:
-        """A checkpoint whose process died may have left the VM paused and its
-        filesystem frozen; under the lock, nothing else can be checkpointing."""
-        marker = self.directory / CHECKPOINTING
-        if not marker.exists():
-            return
-        if self.machine.running:
-            with contextlib.suppress(VMError):
-                self.machine.resume()
-            with contextlib.suppress(VMError), self.machine.guest() as link:
-                link.thaw(timeout=self.guest_timeout)
-        marker.unlink()
 
     # ---------------------------------------------------------- lifecycle
 
@@ -288,14 +272,16 @@ class Sandbox:
             if self.machine.running:
                 return
             marker = self.directory / RESUME_FROM
-            if marker.exists():
-                # A fork left stopped: it resumes from its checkpoint's memory.
-                self.machine.launch(timeout, progress, incoming=True,
-                                    mark=self.store.lineage_mark(self.disk),
-                                    hot=self._hot_memory(marker.read_text().strip()))
-                marker.unlink()
-            else:
-                self._boot(timeout, progress)
+            # Only a crash leaves it (a launch that fails kills its QEMU).
+            with intents.pending(self.directory, START, durable=False, failed=True):
+                if marker.exists():
+                    # A fork left stopped: it resumes from its checkpoint's memory.
+                    self.machine.launch(timeout, progress, incoming=True,
+                                        mark=self.store.lineage_mark(self.disk),
+                                        hot=self._hot_memory(marker.read_text().strip()))
+                    marker.unlink()
+                else:
+                    self._boot(timeout, progress)
 
     def _boot(self, timeout: float, progress: Progress = NO_PROGRESS) -> None:
         """Boot QEMU; with memory checkpoints, its RAM as the memory image,
@@ -328,7 +314,7 @@ class Sandbox:
     def stop(self, *, timeout: float = 20.0) -> None:
         """Shut the guest down cleanly (its disk unmounted); QEMU is killed if
         the guest does not power off in time."""
-        with self._lock():
+        with self._lock(recovery.STOP):
             self.standby.wait_standby()   # which may start a QEMU, killed here
             self.machine.shutdown(timeout)
             self._forget_checkpoints()
@@ -360,12 +346,12 @@ class Sandbox:
 
     def _forget_checkpoints(self) -> None:
         # What the protocol knew of a QEMU process that is gone.
-        for f in (CHECKPOINTING, LAST_CHECKPOINT, RAN):
+        for f in (LAST_CHECKPOINT, RAN):
             (self.directory / f).unlink(missing_ok=True)
 
     def destroy(self) -> None:
         """Stop the VM and delete its directory. Snapshots of it stay in the store."""
-        with self._lock():
+        with self._lock(recovery.REMOVE):
             self.standby.wait()   # which may start a QEMU, killed here
             self._kill()
         self.registry.remove(self.name)
@@ -420,10 +406,11 @@ class Sandbox:
                 if unchanged is not None:
                     self.last_checkpoint = CheckpointTiming(0.0, 0.0, time.monotonic() - start)
                     return unchanged
-            marker = self.directory / CHECKPOINTING
-            marker.touch()
+            # Not synced: what it guards (a paused QEMU, a frozen guest) dies with the host.
+            intents.write(self.directory, CHECKPOINT, durable=False)
             with self.machine.guest() as link, self.machine.qmp():
                 meta["vm.flush"] = self._freeze(link, processes=memory)
+                crash_point("checkpoint.frozen")
                 # A guest that did not freeze may not resume either: disk only.
                 memory = memory and meta["vm.flush"] == FSFREEZE
                 frozen = time.monotonic()
@@ -435,7 +422,7 @@ class Sandbox:
                     if meta["vm.flush"] == FSFREEZE:
                         self._thaw(link, snap, settle=skip_unchanged)
             (self.directory / RAN).unlink(missing_ok=True)
-            marker.unlink()
+            intents.clear(self.directory, durable=False)
             if memory_snap is not None:
                 self.standby.prepare(memory_snap.id, snap.id, then=self._start_waiting)
             self.last_checkpoint = CheckpointTiming(
@@ -482,6 +469,7 @@ class Sandbox:
                                      read_later=not disk_in_pause) as pause:
                 if memory:
                     memory_capture.take_more()
+                crash_point("checkpoint.paused")
                 if disk_in_pause:
                     disk_capture = captures.enter_context(
                         self.store.capturing(self.disk, written=pause.written))
@@ -496,6 +484,7 @@ class Sandbox:
                                                disk_in_pause=True)
             if memory_capture is not None:
                 meta[MEMORY_KEY] = memory_capture.snap_id
+            crash_point("checkpoint.captured")
             if skip_unchanged and disk_capture.unchanged:
                 snap = disk_capture.parent
             else:
@@ -579,7 +568,10 @@ class Sandbox:
         be done, it is rebooted); a stopped VM stays stopped."""
         snap = self.store.get(snapshot_id)
         memory_snap = None if disk_only else self._memory_of(snap, self.machine)
-        with self._lock():
+        # Synced (a host crash may leave the disk half restored); the next
+        # command finishes an interrupted restore (see blockdiff.vm.recovery).
+        with self._lock(recovery.REPLACE), intents.pending(
+                self.directory, RESTORE, snapshot=snap.id, disk_only=memory_snap is None):
             start = time.monotonic()
             rebooted = tracked = False
             self.memory_source = ""
@@ -598,7 +590,9 @@ class Sandbox:
                         with contextlib.suppress(VMError):
                             written = self.machine.stop_for_good(
                                 self.store.lineage_mark(self.disk))
+                    crash_point("restore.stopped")
                     self._kill(keep_waiting=True)    # for the launch to take over
+                    crash_point("restore.killed")
                     killed = time.monotonic()
                     # Then the disk, in place, beside the standby's move and
                     # the resume: the guest uses it only once resumed.
@@ -609,6 +603,7 @@ class Sandbox:
                     (self.directory / RESUME_FROM).unlink(missing_ok=True)
                     if self.standby.take(self.machine.memory_image, memory_snap.size):
                         self.memory_source = "standby"
+                    crash_point("restore.taken")
                     self._resume(snap, memory_snap, timeout, written=written,
                                  disk_ahead=disk_ahead)
                 tracked = written is not None
@@ -735,21 +730,10 @@ class Sandbox:
     def _memory_of(self, snap: Snapshot, machine: Machine) -> Snapshot | None:
         """The memory snapshot of checkpoint ``snap`` (None for a disk-only
         one), if ``machine`` can resume it; VMError saying what to do if not."""
-        memory_snap = self._memory_snapshot(snap)
+        memory_snap = memory_snapshot(self.store, snap, "restore its disk only")
         if memory_snap is not None:
             self._check_machine(snap, memory_snap, machine)
         return memory_snap
-
-    def _memory_snapshot(self, snap: Snapshot) -> Snapshot | None:
-        memory_id = snap.meta.get(MEMORY_KEY)
-        if memory_id is None:
-            return None
-        try:
-            return self.store.get(memory_id)
-        except UnknownSnapshot:
-            raise VMError(f"the memory of checkpoint {snap.id} (snapshot {memory_id}) is not "
-                          f"in the store (removed, or its checkpoint was interrupted); restore "
-                          f"its disk only (--disk-only)") from None
 
     def _check_machine(self, snap: Snapshot, memory_snap: Snapshot, machine: Machine) -> None:
         """VMError, saying what to do, unless ``machine`` is the machine the
@@ -780,7 +764,9 @@ class Sandbox:
         try:
             with self.machine.guest() as link:
                 link.detach(timeout=self.guest_timeout)
+                crash_point("restore.detached")
                 with self.machine.paused(self.store.lineage_mark(self.disk)) as pause:
+                    crash_point("restore.swap-paused")
                     self.store.restore(snap.id, self.disk, written=pause.written)
                 # The bitmap that started in the pause started with the disk
                 # being the snapshot (the guest wrote nothing: detached).
@@ -825,15 +811,8 @@ class Sandbox:
         memory image and disk whole."""
         store = as_store(store)
         snap = store.get(snapshot_id)
-        memory_snap = None
-        if not disk_only and snap.meta.get(MEMORY_KEY) is not None:
-            try:
-                memory_snap = store.get(snap.meta[MEMORY_KEY])
-            except UnknownSnapshot:
-                raise VMError(f"the memory of checkpoint {snap.id} (snapshot "
-                              f"{snap.meta[MEMORY_KEY]}) is not in the store (removed, or its "
-                              f"checkpoint was interrupted); start from its disk only "
-                              f"(--disk-only)") from None
+        memory_snap = None if disk_only else memory_snapshot(store, snap,
+                                                             "start from its disk only")
         if memory_snap is not None:
             recorded = recorded_machine(memory_snap)
             memory_mb = recorded.get("memory_mb", memory_mb)
@@ -841,9 +820,13 @@ class Sandbox:
         # With memory, the disk and the memory image are made empty at their
         # sizes, and filled in place as a restore fills them: the memory
         # image while QEMU starts, the disk while it loads the device state.
+        # Registered with an intent record: the next command on a fork
+        # interrupted makes it again (see blockdiff.vm.recovery).
         other = Sandbox.create(store, name, snapshot=snap.id, kernel=kernel,
                                memory_mb=memory_mb, cpus=cpus, memory=memory,
-                               progress=progress, _disk_later=memory_snap is not None)
+                               progress=progress, _disk_later=memory_snap is not None,
+                               _intent=recovery.fork_intent(snap, memory_snap, start, _standby))
+        crash_point("fork.registered")
         if memory_snap is not None:
             yielding = _standby.yielding() if _standby is not None else contextlib.nullcontext()
             try:
@@ -852,6 +835,7 @@ class Sandbox:
             except BaseException:
                 other.destroy()
                 raise
+            intents.clear(other.directory)
             if "spare" in (other.memory_source, other.disk_source):
                 # The spares taken made anew, while this fork runs: the
                 # memory spare a clone of the standby as it is (a move costs
@@ -880,6 +864,7 @@ class Sandbox:
         self.memory_source = self._new_memory_image(memory_snap, standby, given[0])
         if given[1]:
             self.disk_source = "spare"
+        crash_point("fork.images")
         if (self.memory_source == self.disk_source == "spare"
                 and self.machine.hand_over_waiting(standby.path.parent)
                 and not start):
@@ -921,6 +906,20 @@ def _empty_file(path: Path, size: int, mode: int) -> None:
         os.ftruncate(fd, size)
     finally:
         os.close(fd)
+
+
+def memory_snapshot(store: Store, snap: Snapshot, fix: str) -> Snapshot | None:
+    """The memory snapshot of checkpoint ``snap`` (None for a disk-only
+    one); VMError ending in ``fix`` (what to do) if it is not in the store."""
+    memory_id = snap.meta.get(MEMORY_KEY)
+    if memory_id is None:
+        return None
+    try:
+        return store.get(memory_id)
+    except UnknownSnapshot:
+        raise VMError(f"the memory of checkpoint {snap.id} (snapshot {memory_id}) is not in "
+                      f"the store (removed, or its checkpoint was interrupted); {fix} "
+                      f"(--disk-only)") from None
 
 
 def recorded_machine(memory_snap: Snapshot) -> dict:
