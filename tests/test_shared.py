@@ -250,6 +250,40 @@ def test_a_snapshot_not_pushed_is_pending_and_named_by_the_host_that_has_it(
     assert cli("push", "--store", xfs / "store", "--json").stdout.count('"layers": 0') == 1
 
 
+def test_placement_reads_one_state_while_another_host_commits_and_removes(
+        hosts, xfs, host_b_dir, tmp_path, catalog, monkeypatch):
+    """Where every snapshot is, read while another host commits and removes
+    between the reads: every answer names the snapshots of one state (a
+    background push reading it beside a commit raised KeyError)."""
+    if not catalog.startswith("postgresql"):
+        pytest.skip("SQLite's writer waits for this reader: the other host cannot write between")
+    a, b = hosts
+    b.close()     # its process is another host's: the CLI's below
+    image, keep, rng = start_line(xfs, tmp_path, 12)
+    first, second = commit_line(a, image, keep, rng, 2)
+    image_b = host_b_dir / "b.img"
+    cli("restore", "--store", host_b_dir / "store", second, image_b)
+    seen_before = {s.id for s in a.catalog.all()}
+    real_placement = type(a.catalog).placement
+    made = []
+
+    def between(catalog_self):
+        # Another host changes the catalog between this host's reads.
+        if not made:
+            scribble(image_b, rng)
+            store_b = host_b_dir / "store"
+            made.append(json.loads(cli("commit", "--store", store_b, image_b, "--parent",
+                                       second, "--json").stdout)["id"])
+            cli("rm", "--store", store_b, first)
+        return real_placement(catalog_self)
+
+    monkeypatch.setattr(type(a.catalog), "placement", between)
+    placed = {p.snapshot for p in a.placement()}
+    assert placed == seen_before
+    monkeypatch.undo()
+    assert {p.snapshot for p in a.placement()} == (seen_before - {first}) | set(made)
+
+
 def test_a_damaged_or_missing_object_is_never_restored(hosts, xfs, host_b_dir, tmp_path,
                                                       s3_env, bucket_url):
     a, b = hosts
@@ -661,6 +695,7 @@ def test_fetching_restores_beside_a_host_evicting_and_sweeping(hosts, xfs, host_
     process of B evicts every copy it may and sweeps, over and over: every
     restore is byte for byte, none fails."""
     a, b = hosts
+    b.close()     # its process is another host's: the CLI's below
     image, keep, rng = start_line(xfs, tmp_path, 12)
     ids = commit_line(a, image, keep, rng, 4)
     store_b = host_b_dir / "store"

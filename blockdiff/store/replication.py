@@ -163,10 +163,14 @@ def pull(store: StoreState, snapshot_id: str) -> int:
 def placement(store: StoreState) -> list[Placement]:
     """Where every snapshot is, newest first (see :class:`Placement`)."""
     catalog = store.catalog
-    names = catalog.host_names()
-    snaps = catalog.all()
-    placed = catalog.placement()
-    here_layers = set(catalog.copies_here()) if store.shared is not None else None
+    # One state of the catalog: a snapshot committed or removed between two
+    # of these reads (by a push beside it, another host) would be in one and
+    # not the other.
+    with catalog.db.reading():
+        names = catalog.host_names()
+        snaps = catalog.all()
+        placed = catalog.placement()
+        here_layers = set(catalog.copies_here()) if store.shared is not None else None
     by_id = {s.id: s for s in snaps}
     durable: dict[str, bool] = {}
 
