@@ -528,3 +528,49 @@ def test_fetching_restores_beside_a_host_evicting_and_sweeping(hosts, xfs, host_
         _, err = evictor.communicate()
     assert evictor.returncode == 0, err
     assert b.verify() == {}
+
+
+def overwrite_data(image: Path, rng, start: int) -> None:
+    """16 KiB of new bytes written over the first data of ``image`` at or
+    after ``start`` (not a hole: a write there keeps the blocks' addresses)."""
+    with open(image, "r+b") as f:
+        at = os.lseek(f.fileno(), start, os.SEEK_DATA) // BLOCK * BLOCK
+        f.seek(at)
+        f.write(rng.bytes(16 * 1024))
+
+
+@pytest.mark.parametrize("step", ["back", "forward"])
+def test_a_stepped_clock_never_fakes_an_unchanged_image(hosts, xfs, host_b_dir, tmp_path,
+                                                         monkeypatch, step):
+    """Host A's clock steps (back an hour after its commit, or forward an
+    hour for the commit and then back to the right time): its copies are
+    evicted and fetched again, the image is rewritten in place, and the next
+    commit must see the change. Whether a copy was there when a snapshot was
+    committed comes from the catalog's generations, not from A's clock."""
+    a, b = hosts
+    image, keep, rng = start_line(xfs, tmp_path, 13)
+    real = time.time
+    offset = {"s": 3600.0 if step == "forward" else 0.0}
+    monkeypatch.setattr(time, "time", lambda: real() + offset["s"])
+    first = commit_line(a, image, keep, rng, 1)[-1]
+    offset["s"] -= 3600.0            # the step: an hour back
+    evicted, _ = a.evict(0)          # as gc --cache-size 0 does
+    assert int(first, 16) in evicted
+    a.restore(first, xfs / "elsewhere.img")      # fetches the copy again
+    assert a.layer_path(int(first, 16)).exists()
+    overwrite_data(image, rng, 0)                # in place: the blocks are the image's own
+    second = a.commit(image)
+    assert second.changed_bytes >= 16 * 1024
+    shutil.copyfile(image, keep / second.id)
+    # And once more, from the second snapshot, with the clock stepped again.
+    offset["s"] += 7200.0
+    overwrite_data(image, rng, IMAGE // 2)
+    third = a.commit(image)
+    assert third.changed_bytes >= 16 * 1024
+    shutil.copyfile(image, keep / third.id)
+    monkeypatch.setattr(time, "time", real)
+    for sid in (first, second.id, third.id):
+        a.restore(sid, xfs / f"a-{sid}")
+        assert filecmp.cmp(xfs / f"a-{sid}", keep / sid, shallow=False)
+        b.restore(sid, host_b_dir / f"b-{sid}")
+        assert filecmp.cmp(host_b_dir / f"b-{sid}", keep / sid, shallow=False)

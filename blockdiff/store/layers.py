@@ -237,7 +237,9 @@ class Layers:
         """Whether a layer's file is unchanged since a whole check passed
         recently enough (see VOUCH_SECONDS)."""
         record = self.decoded(layer).record
-        if not record.stat or time.time() - record.checked > VOUCH_SECONDS:
+        # A check "in the future" is one from before this host's clock
+        # stepped back: not trusted, so that no step makes a vouch last longer.
+        if not record.stat or not 0 <= time.time() - record.checked <= VOUCH_SECONDS:
             return False
         try:
             return file_identity(self.files.layer_path(layer)) == record.stat

@@ -191,7 +191,7 @@ def placement_of(store: StoreState, snap: Snapshot) -> Placement:
     catalog = store.catalog
     if store.shared is None:
         return Placement(snap.id, None, True, False)
-    here = store.map_path(snap).exists() and catalog.copies_cover(snap, float("inf"))
+    here = store.map_path(snap).exists() and catalog.copies_cover(snap)
     durable = catalog.not_uploaded(snap) == 0
     cursor = snap
     while durable:

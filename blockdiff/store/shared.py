@@ -200,7 +200,7 @@ class Fetcher:
         """The hosts that hold a layer, as a phrase for messages."""
         names = [name for (name,) in self.catalog.db.execute(
             "SELECT h.name FROM layer_copies c JOIN hosts h ON h.id = c.host "
-            "WHERE c.layer = ? ORDER BY c.placed", (int(layer),))]
+            "WHERE c.layer = ? ORDER BY c.generation", (int(layer),))]
         return ", ".join(names) if names else "no host"
 
     def layer(self, layer: int, pos, length, chunk: int, crcs) -> int:
