@@ -574,3 +574,85 @@ def test_a_stepped_clock_never_fakes_an_unchanged_image(hosts, xfs, host_b_dir, 
         assert filecmp.cmp(xfs / f"a-{sid}", keep / sid, shallow=False)
         b.restore(sid, host_b_dir / f"b-{sid}")
         assert filecmp.cmp(host_b_dir / f"b-{sid}", keep / sid, shallow=False)
+
+
+# A command of blockdiff's CLI in a process of its own that, once its first
+# transfer of object bytes is under way, says so on stdout and stops there
+# (every transfer thread held), so that the test kills it at that moment.
+HELD_CLI = """
+import sys, threading
+from blockdiff.store import remote
+from blockdiff.cli import main
+
+def held(original):
+    def call(*args, **kwargs):
+        result = original(*args, **kwargs)
+        print("under way", flush=True)
+        threading.Event().wait()
+        return result
+    return call
+
+remote._pwrite_all = held(remote._pwrite_all)                     # a download
+remote.S3Remote._read_part = held(remote.S3Remote._read_part)     # a multipart upload
+sys.argv = ["blockdiff", *sys.argv[1:]]
+main()
+"""
+
+
+def killed_under_way(*args) -> None:
+    """Run ``blockdiff ARGS`` (see HELD_CLI) and SIGKILL it mid-transfer."""
+    proc = subprocess.Popen([sys.executable, "-c", HELD_CLI, *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line == "under way\n", proc.stderr.read() if proc.poll() is not None else line
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == -9
+
+
+def test_a_fetch_or_push_killed_mid_transfer_leaves_nothing_after_gc(
+        hosts, xfs, host_b_dir, tmp_path, s3_env, bucket_url):
+    a, b = hosts
+    image, keep, rng = start_line(xfs, tmp_path, 14)
+    sid = commit_line(a, image, keep, rng, 1)[-1]
+    store_b = host_b_dir / "store"
+    # A fetch killed on B: its staged download stays until a gc.
+    killed_under_way("restore", "--store", store_b, sid, host_b_dir / "x.img")
+    left = list(b.staging.iterdir())
+    assert left and all(p.name.endswith(".partial") for p in left)
+    cli("restore", "--store", store_b, sid, host_b_dir / "x.img")
+    assert filecmp.cmp(host_b_dir / "x.img", keep / sid, shallow=False)
+    cli("gc", "--store", store_b)
+    assert list(b.staging.iterdir()) == []
+
+    # A push killed on A half-way through a multipart upload (a layer of
+    # more than one part): its parts stay in the bucket until a sweep.
+    with open(image, "r+b") as f:
+        f.seek(16 * MiB)
+        f.write(rng.bytes(12 * MiB))
+    big = a.commit(image, push=False)
+    shutil.copyfile(image, keep / big.id)
+    killed_under_way("push", "--store", xfs / "store")
+    client, prefix = s3_env.client(), bucket_url.split("/", 3)[3] + "/"
+
+    def uploads() -> list[str]:
+        listed = client.list_multipart_uploads(Bucket=s3_env.bucket, Prefix=prefix)
+        return [u["Key"][len(prefix):] for u in listed.get("Uploads", ())]
+
+    assert uploads() == [layer_key(layer_name(int(big.id, 16)))]
+    # Too young by the object store's clock: kept (its push may be at it still).
+    a.sweep_remote()
+    assert len(uploads()) == 1
+    # Older than the grace: aborted, whatever the hosts' clocks say.
+    assert a.sweep_remote(grace=0) >= 1
+    assert uploads() == []
+    assert list(a.staging.iterdir()) == []
+    # The push done again makes it durable; B restores it byte for byte.
+    cli("push", "--store", xfs / "store")
+    assert b.durable(big.id)
+    b.restore(big.id, host_b_dir / "big.img")
+    assert filecmp.cmp(host_b_dir / "big.img", keep / big.id, shallow=False)
+    assert cli("gc", "--store", store_b).returncode == 0
+    assert list(b.staging.iterdir()) == [] and b.verify() == {}

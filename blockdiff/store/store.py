@@ -459,9 +459,11 @@ class Store(StoreState):
         they take at most ``cache_size`` bytes; the layers and bytes freed."""
         return replication.evict(self, cache_size)
 
-    def sweep_remote(self) -> int:
-        """Delete the objects no snapshot uses (older than an hour)."""
-        return replication.sweep_remote(self)
+    def sweep_remote(self, grace: float = replication.SWEEP_GRACE) -> int:
+        """Delete the objects no snapshot uses and abort the uploads never
+        completed, of those ``grace`` seconds old (by the object store's
+        clock; an hour by default); how many went."""
+        return replication.sweep_remote(self, grace)
 
     def restore(self, snapshot_id: str, image: str | os.PathLike, *,
                 written: Written | None = None,
