@@ -656,3 +656,79 @@ def test_a_fetch_or_push_killed_mid_transfer_leaves_nothing_after_gc(
     assert filecmp.cmp(host_b_dir / "big.img", keep / big.id, shallow=False)
     assert cli("gc", "--store", store_b).returncode == 0
     assert list(b.staging.iterdir()) == [] and b.verify() == {}
+
+
+def damage_file(path: Path, at: int) -> None:
+    """One byte of a read-only object file flipped in place, its mode kept."""
+    mode = os.stat(path).st_mode & 0o777
+    os.chmod(path, 0o600)
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.chmod(path, mode)
+
+
+def test_a_damaged_object_or_local_copy_is_never_kept_and_is_fetched_again(
+        hosts, xfs, host_b_dir, tmp_path, s3_env, bucket_url):
+    a, b = hosts
+    image, keep, rng = start_line(xfs, tmp_path, 15)
+    sid = commit_line(a, image, keep, rng, 1)[-1]
+    store_b = host_b_dir / "store"
+    map_file = b.map_path(b.get(sid)).name
+    key = f"{bucket_url.split('/', 3)[3]}/maps/{map_file}"
+    client = s3_env.client()
+    good = client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read()
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0xFF
+    # Other bytes of the same size, behind the store's back: refused, and
+    # nothing of it enters B's objects/.
+    client.put_object(Bucket=s3_env.bucket, Key=key, Body=bytes(bad))
+    done = cli("restore", "--store", store_b, sid, host_b_dir / "x.img", check=False)
+    assert done.returncode == 7 and "Traceback" not in done.stderr
+    assert "not the map the catalog records" in done.stderr
+    assert not (host_b_dir / "x.img").exists()
+    assert not (b.objects / map_file).exists() and list(b.staging.iterdir()) == []
+    # The right object put back: B restores it at once.
+    client.put_object(Bucket=s3_env.bucket, Key=key, Body=good)
+    cli("restore", "--store", store_b, sid, host_b_dir / "x.img")
+    assert filecmp.cmp(host_b_dir / "x.img", keep / sid, shallow=False)
+
+    # B's own copies damaged: verify names the damage, --repair fetches
+    # them again, and then every check passes.
+    layer = b.layer_path(int(sid, 16))
+    damage_file(b.objects / map_file, 100)
+    damage_file(layer, os.stat(layer).st_size // 2)
+    plain = cli("verify", "--store", store_b, "--json", check=False)
+    assert plain.returncode == 7
+    assert json.loads(plain.stdout)["problems"][sid]
+    repaired = cli("verify", "--store", store_b, "--repair", "--json")
+    out = json.loads(repaired.stdout)
+    assert out["consistent"] and sorted(out["fetched_again"]) == sorted([map_file, layer.name])
+    assert cli("verify", "--store", store_b).returncode == 0
+    # Damaged again: the next restore replaces them itself.
+    damage_file(b.objects / map_file, 100)
+    damage_file(layer, os.stat(layer).st_size // 3)
+    cli("restore", "--store", store_b, sid, host_b_dir / "y.img")
+    assert filecmp.cmp(host_b_dir / "y.img", keep / sid, shallow=False)
+    assert filecmp.cmp(host_b_dir / "x.img", keep / sid, shallow=False)
+    assert cli("verify", "--store", store_b).returncode == 0
+    cli("gc", "--store", store_b)
+    assert list(b.staging.iterdir()) == []
+
+
+def test_a_host_unknown_to_the_catalog_is_told_so_when_it_fetches(hosts, xfs, host_b_dir,
+                                                                  tmp_path):
+    a, b = hosts
+    image, keep, rng = start_line(xfs, tmp_path, 16)
+    sid = commit_line(a, image, keep, rng, 1)[-1]
+    with a.catalog.transaction() as db:
+        db.execute("DELETE FROM hosts WHERE id = ?", (b.shared.host,))
+    done = cli("restore", "--store", host_b_dir / "store", sid, host_b_dir / "x.img",
+               check=False)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "removed from the store" not in done.stderr
+    assert "not among the shared catalog's hosts" in done.stderr
+    assert not (host_b_dir / "x.img").exists()
+    assert not b.layer_path(int(sid, 16)).exists()

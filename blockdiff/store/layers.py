@@ -167,6 +167,19 @@ class Layers:
         self.catalog.touch_copies(layers)
         return fetched
 
+    def fetch_again(self, layer: int) -> bool:
+        """In a shared store: replace this host's copy of a layer, found
+        damaged, by the object store's (checked chunk by chunk first); False
+        where there is none to fetch (a store of one host, a layer not
+        uploaded)."""
+        if self.fetcher is None or not self.fetcher.uploaded_layer(layer):
+            return False
+        table = self.decoded(layer)
+        self.fetcher.layer(layer, table.run_pos, table.run_length, table.record.chunk,
+                           table.crc, replace=True)
+        self.forget(layer)
+        return True
+
     def decoded(self, layer: int) -> DecodedLayer:
         """The catalog's record of a layer, decoded (``Damaged`` if it has
         none or it does not decode)."""
@@ -272,11 +285,15 @@ class Layers:
             progress.start(self.whole_bytes(layer for layer, _ in groups), "B",
                            "checking layers")
         for layer, sel in groups:
-            if whole:
-                bad, n, problem = self.check_whole(layer, progress)
-            else:
-                bad, n, problem = self.bad_chunks(layer, pieces.pos[sel], pieces.length[sel])
-            read += n
+            for attempt in range(2):
+                if whole:
+                    bad, n, problem = self.check_whole(layer, progress)
+                else:
+                    bad, n, problem = self.bad_chunks(layer, pieces.pos[sel],
+                                                      pieces.length[sel])
+                read += n
+                if problem or not len(bad[0]) or attempt or not self.fetch_again(layer):
+                    break
             if problem or len(bad[0]):
                 what = problem or (f"{layer_name(layer)}: {len(bad[0])} chunk(s) fail their "
                                    f"checksum")

@@ -195,17 +195,20 @@ class Maps:
         """Where a snapshot's map is."""
         return self.files.map_path(snap.id, snap.map_sha256)
 
-    def load(self, snap: Snapshot, *, cached: bool = True) -> SnapshotMap:
+    def load(self, snap: Snapshot, *, cached: bool = True, refetch: bool = True
+             ) -> SnapshotMap:
         """A snapshot's map, checked against the digest the catalog recorded
         (when it is read: ``cached=False`` reads it even if it was read before)
-        and against the catalog's size."""
-        smap = self._read(snap, cached)
+        and against the catalog's size. In a shared store, a local copy that
+        fails its digest is replaced by the object store's, unless not
+        ``refetch``."""
+        smap = self._read(snap, cached, refetch)
         if smap.pieces.size != snap.size or smap.extents.size != snap.size:
             raise Damaged(f"snapshot {snap.id}: the catalog says {snap.size} bytes, its map "
                           f"{smap.pieces.size}; run: blockdiff verify --store {self.files.root}")
         return smap
 
-    def _read(self, snap: Snapshot, cached: bool) -> SnapshotMap:
+    def _read(self, snap: Snapshot, cached: bool, refetch: bool = True) -> SnapshotMap:
         if cached:
             known = self._decoded.get(snap.map_sha256)
             if known is not None:
@@ -216,6 +219,11 @@ class Maps:
         if self.fetcher is not None and not path.exists():
             self.fetcher.map(snap)
         raw = path.read_bytes()
+        if (hashlib.sha256(raw).hexdigest() != snap.map_sha256 and refetch
+                and self.fetcher is not None and self.fetcher.uploaded_map(snap)):
+            # This host's copy is damaged: the object store's, checked, replaces it.
+            self.fetcher.map(snap, replace=True)
+            raw = path.read_bytes()
         if hashlib.sha256(raw).hexdigest() != snap.map_sha256:
             raise damaged
         try:
@@ -225,7 +233,8 @@ class Maps:
         if delta is not None:
             if delta.base != snap.map_base:
                 raise damaged
-            base = self._read(find_snapshot(self.catalog, self.files.root, delta.base), cached)
+            base = self._read(find_snapshot(self.catalog, self.files.root, delta.base), cached,
+                              refetch)
             own = smap
             extents, _ = remap(base.extents, delta.starts, delta.ends,
                                (own.extents.logical, own.extents.physical, own.extents.length,

@@ -558,6 +558,15 @@ class Store(StoreState):
         """
         return verify.verify(self, snapshot_id, progress)
 
+    def repair(self, snapshot_id: str | None = None, *,
+               progress: Progress = NO_PROGRESS) -> verify.Repair:
+        """Verify (see :meth:`verify`), and in a shared store replace each
+        of this host's map and layer copies found damaged by the object
+        store's, checked against the catalog first; then verify again what
+        was replaced. Returns the files fetched again and the problems that
+        remain."""
+        return verify.repair(self, snapshot_id, progress)
+
 
 @contextlib.contextmanager
 def _made_or_undone(root: Path, files: tuple[str, ...]):
