@@ -20,7 +20,7 @@ import numpy as np
 
 from blockdiff import native
 from blockdiff.engine.extents import PieceTable, pieces_within, splice_pieces, union
-from blockdiff.errors import Damaged
+from blockdiff.errors import BlockdiffError, Damaged
 from blockdiff.progress import NO_PROGRESS, Progress
 from blockdiff.store.catalog import Catalog, LayerRecord, Snapshot
 from blockdiff.store.maps import PIECE_DTYPE, unpack_pieces
@@ -285,6 +285,7 @@ class Layers:
             progress.start(self.whole_bytes(layer for layer, _ in groups), "B",
                            "checking layers")
         for layer, sel in groups:
+            again = ""
             for attempt in range(2):
                 if whole:
                     bad, n, problem = self.check_whole(layer, progress)
@@ -292,11 +293,18 @@ class Layers:
                     bad, n, problem = self.bad_chunks(layer, pieces.pos[sel],
                                                       pieces.length[sel])
                 read += n
-                if problem or not len(bad[0]) or attempt or not self.fetch_again(layer):
+                if problem or not len(bad[0]) or attempt:
+                    break
+                # This host's copy is damaged: the object store's, if any, replaces it.
+                try:
+                    if not self.fetch_again(layer):
+                        break
+                except (BlockdiffError, OSError) as e:
+                    again = f"; fetching it again failed: {str(e).split(';')[0]}"
                     break
             if problem or len(bad[0]):
                 what = problem or (f"{layer_name(layer)}: {len(bad[0])} chunk(s) fail their "
-                                   f"checksum")
+                                   f"checksum{again}")
                 raise Damaged(f"snapshot {snap.id} is damaged ({what}); nothing was "
                               f"written; run: blockdiff verify --store {self.files.root}")
         return read

@@ -31,7 +31,7 @@ from blockdiff.engine.extents import (
     splice_pieces,
     union,
 )
-from blockdiff.errors import Damaged, StoreError
+from blockdiff.errors import BlockdiffError, Damaged, StoreError
 from blockdiff.store.catalog import Catalog, Snapshot
 from blockdiff.store.ids import find_snapshot
 from blockdiff.store.objects import DecodedCache, ObjectFiles
@@ -222,7 +222,12 @@ class Maps:
         if (hashlib.sha256(raw).hexdigest() != snap.map_sha256 and refetch
                 and self.fetcher is not None and self.fetcher.uploaded_map(snap)):
             # This host's copy is damaged: the object store's, checked, replaces it.
-            self.fetcher.map(snap, replace=True)
+            try:
+                self.fetcher.map(snap, replace=True)
+            except (BlockdiffError, OSError) as e:
+                raise Damaged(f"the map of snapshot {snap.id} is damaged here, and fetching "
+                              f"it again failed: {str(e).split(';')[0]}; run: blockdiff "
+                              f"verify --store {self.files.root}") from None
             raw = path.read_bytes()
         if hashlib.sha256(raw).hexdigest() != snap.map_sha256:
             raise damaged
