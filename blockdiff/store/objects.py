@@ -186,10 +186,10 @@ class ObjectFiles:
         return freed
 
 
-# The most digits a pid has (Linux's pid_max is at most 2**22): a layer id
-# or a digest (16 hex digits) or a temporary name's random part (12) that
-# happens to be all digits is never taken for one.
-_PID_DIGITS = 7
+# The most digits a pid has (a positive 32-bit number; Linux's are at most
+# 2**22): a layer id, a digest's 16 hex digits or a temporary name's random
+# 12 that happen to be all digits are never taken for one.
+_PID_DIGITS = 10
 
 
 def staged_owner(name: str) -> int | None:
