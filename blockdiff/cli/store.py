@@ -266,7 +266,9 @@ def gc(store_path, keep_last, keep_within, cache_size, dry_run, as_json):
     Without --keep-last or --keep-within only expired snapshots (TTL) go.
     A snapshot that is a part of another (a VM checkpoint's memory) takes no
     place of its own and goes with it. Files left by interrupted operations
-    are swept too.
+    are swept too; in a shared store, so are the objects no snapshot uses
+    and the uploads never completed, an hour after they began (by the
+    object store's clock).
 
     \b
     Example:

@@ -4,6 +4,7 @@ snapshots each problem affects."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 from dataclasses import dataclass, field
 
@@ -84,8 +85,9 @@ def _verify(store: StoreState, snapshot_id: str | None, progress: Progress
                 maps[snap.id] = store.load_map(snap, cached=False, refetch=False)
             except (OSError, StoreError, Damaged, ValueError) as e:
                 problems[snap.id] = [f"map: {getattr(e, 'strerror', None) or e}"]
-                if store.map_path(snap).exists():
-                    damaged_maps.append(snap)
+                if store.shared is not None:
+                    damaged_maps += [s for s in _damaged_copies(store, snap)
+                                     if s.id not in {d.id for d in damaged_maps}]
         # Every layer is read once, however many snapshots use it.
         every_layer = {int(layer) for smap in maps.values()
                        for layer in np.unique(smap.pieces.layer)}
@@ -121,6 +123,23 @@ def _verify(store: StoreState, snapshot_id: str | None, progress: Progress
                 problems[snap.id] = sorted(set(found))
     damaged_layers = {layer for layer, (_, bad) in checked.items() if len(bad[0])}
     return problems, damaged_maps, damaged_layers
+
+
+def _damaged_copies(store: StoreState, snap: Snapshot) -> list[Snapshot]:
+    """The snapshots, of ``snap`` and the chain of maps it is a delta on,
+    whose map file this host holds with another digest than the catalog's."""
+    found = []
+    while True:
+        with contextlib.suppress(OSError):
+            if hashlib.sha256(store.map_path(snap).read_bytes()).hexdigest() \
+                    != snap.map_sha256:
+                found.append(snap)
+        if snap.map_base is None:
+            return found
+        try:
+            snap = store.get(snap.map_base)
+        except StoreError:
+            return found
 
 
 def _check_layer(layers: Layers, layer: int, progress: Progress) -> tuple[list[str], tuple]:
