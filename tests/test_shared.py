@@ -584,10 +584,13 @@ import sys, threading
 from blockdiff.store import remote
 from blockdiff.cli import main
 
+first = threading.Lock()
+
 def held(original):
     def call(*args, **kwargs):
         result = original(*args, **kwargs)
-        print("under way", flush=True)
+        if first.acquire(blocking=False):      # one line, whichever thread is first
+            print("under way", flush=True)
         threading.Event().wait()
         return result
     return call
@@ -613,7 +616,7 @@ def killed_under_way(*args) -> None:
 
 
 def test_a_fetch_or_push_killed_mid_transfer_leaves_nothing_after_gc(
-        hosts, xfs, host_b_dir, tmp_path, s3_env, bucket_url):
+        hosts, xfs, host_b_dir, tmp_path, s3_env, bucket_url, monkeypatch):
     a, b = hosts
     image, keep, rng = start_line(xfs, tmp_path, 14)
     sid = commit_line(a, image, keep, rng, 1)[-1]
@@ -642,12 +645,22 @@ def test_a_fetch_or_push_killed_mid_transfer_leaves_nothing_after_gc(
         return [u["Key"][len(prefix):] for u in listed.get("Uploads", ())]
 
     assert uploads() == [layer_key(layer_name(int(big.id, 16)))]
-    # Too young by the object store's clock: kept (its push may be at it still).
+    # Too young by the object store's clock: kept (its push may be at it
+    # still), however far this host's clock has stepped forward.
+    # So is an object no row names (an upload whose rows went meanwhile
+    # deletes its own).
+    stray = prefix + layer_key(layer_name(0xFF))
+    client.put_object(Bucket=s3_env.bucket, Key=stray, Body=b"x")
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 7200.0)
     a.sweep_remote()
+    monkeypatch.setattr(time, "time", real)
     assert len(uploads()) == 1
+    assert client.list_objects_v2(Bucket=s3_env.bucket, Prefix=stray)["KeyCount"] == 1
     # Older than the grace: aborted, whatever the hosts' clocks say.
-    assert a.sweep_remote(grace=0) >= 1
+    assert a.sweep_remote(grace=0) >= 2
     assert uploads() == []
+    assert client.list_objects_v2(Bucket=s3_env.bucket, Prefix=stray)["KeyCount"] == 0
     assert list(a.staging.iterdir()) == []
     # The push done again makes it durable; B restores it byte for byte.
     cli("push", "--store", xfs / "store")
