@@ -885,3 +885,220 @@ def test_a_unix_socket_catalog_with_a_password_joins_and_connects(
         sid = commit_line(a, image, keep, rng, 1)[0]
         b.restore(sid, xfs / "x.img")
         assert filecmp.cmp(xfs / "x.img", keep / sid, shallow=False)
+
+
+def overwrite_data(image: Path, rng, start: int) -> None:
+    """16 KiB of new bytes written over the first data of ``image`` at or
+    after ``start`` (not a hole: a write there keeps the blocks' addresses)."""
+    with open(image, "r+b") as f:
+        at = os.lseek(f.fileno(), start, os.SEEK_DATA) // BLOCK * BLOCK
+        f.seek(at)
+        f.write(rng.bytes(16 * 1024))
+
+
+@pytest.mark.parametrize("step", ["back", "forward"])
+def test_a_stepped_clock_never_fakes_an_unchanged_image(hosts, xfs, host_b_dir, tmp_path,
+                                                         monkeypatch, step):
+    """Host A's clock steps (back an hour after its commit, or forward an
+    hour for the commit and then back to the right time): its copies are
+    evicted and fetched again, the image is rewritten in place, and the next
+    commit must see the change. Whether a copy was there when a snapshot was
+    committed comes from the catalog's generations, not from A's clock."""
+    a, b = hosts
+    image, keep, rng = start_line(xfs, tmp_path, 13)
+    real = time.time
+    offset = {"s": 3600.0 if step == "forward" else 0.0}
+    monkeypatch.setattr(time, "time", lambda: real() + offset["s"])
+    first = commit_line(a, image, keep, rng, 1)[-1]
+    offset["s"] -= 3600.0            # the step: an hour back
+    evicted, _ = a.evict(0)          # as gc --cache-size 0 does
+    assert int(first, 16) in evicted
+    a.restore(first, xfs / "elsewhere.img")      # fetches the copy again
+    assert a.layer_path(int(first, 16)).exists()
+    overwrite_data(image, rng, 0)                # in place: the blocks are the image's own
+    second = a.commit(image)
+    assert second.changed_bytes >= 16 * 1024
+    shutil.copyfile(image, keep / second.id)
+    # And once more, from the second snapshot, with the clock stepped again.
+    offset["s"] += 7200.0
+    overwrite_data(image, rng, IMAGE // 2)
+    third = a.commit(image)
+    assert third.changed_bytes >= 16 * 1024
+    shutil.copyfile(image, keep / third.id)
+    monkeypatch.setattr(time, "time", real)
+    for sid in (first, second.id, third.id):
+        a.restore(sid, xfs / f"a-{sid}")
+        assert filecmp.cmp(xfs / f"a-{sid}", keep / sid, shallow=False)
+        b.restore(sid, host_b_dir / f"b-{sid}")
+        assert filecmp.cmp(host_b_dir / f"b-{sid}", keep / sid, shallow=False)
+
+
+# A command of blockdiff's CLI in a process of its own that, once its first
+# transfer of object bytes is under way, says so on stdout and stops there
+# (every transfer thread held), so that the test kills it at that moment.
+HELD_CLI = """
+import sys, threading
+from blockdiff.store import remote
+from blockdiff.cli import main
+
+first = threading.Lock()
+
+def held(original):
+    def call(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if first.acquire(blocking=False):      # one line, whichever thread is first
+            print("under way", flush=True)
+        threading.Event().wait()
+        return result
+    return call
+
+remote._pwrite_all = held(remote._pwrite_all)                     # a download
+remote.S3Remote._read_part = held(remote.S3Remote._read_part)     # a multipart upload
+sys.argv = ["blockdiff", *sys.argv[1:]]
+main()
+"""
+
+
+def killed_under_way(*args) -> None:
+    """Run ``blockdiff ARGS`` (see HELD_CLI) and SIGKILL it mid-transfer."""
+    proc = subprocess.Popen([sys.executable, "-c", HELD_CLI, *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line == "under way\n", proc.stderr.read() if proc.poll() is not None else line
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == -9
+
+
+def test_a_fetch_or_push_killed_mid_transfer_leaves_nothing_after_gc(
+        hosts, xfs, host_b_dir, tmp_path, s3_env, bucket_url, monkeypatch):
+    a, b = hosts
+    image, keep, rng = start_line(xfs, tmp_path, 14)
+    sid = commit_line(a, image, keep, rng, 1)[-1]
+    store_b = host_b_dir / "store"
+    # A fetch killed on B: its staged download stays until a gc.
+    killed_under_way("restore", "--store", store_b, sid, host_b_dir / "x.img")
+    left = list(b.staging.iterdir())
+    assert left and all(p.name.endswith(".partial") for p in left)
+    cli("restore", "--store", store_b, sid, host_b_dir / "x.img")
+    assert filecmp.cmp(host_b_dir / "x.img", keep / sid, shallow=False)
+    cli("gc", "--store", store_b)
+    assert list(b.staging.iterdir()) == []
+
+    # A push killed on A half-way through a multipart upload (a layer of
+    # more than one part): its parts stay in the bucket until a sweep.
+    with open(image, "r+b") as f:
+        f.seek(16 * MiB)
+        f.write(rng.bytes(12 * MiB))
+    big = a.commit(image, push=False)
+    shutil.copyfile(image, keep / big.id)
+    killed_under_way("push", "--store", xfs / "store")
+    client, prefix = s3_env.client(), bucket_url.split("/", 3)[3] + "/"
+
+    def uploads() -> list[str]:
+        listed = client.list_multipart_uploads(Bucket=s3_env.bucket, Prefix=prefix)
+        return [u["Key"][len(prefix):] for u in listed.get("Uploads", ())]
+
+    assert uploads() == [layer_key(layer_name(int(big.id, 16)))]
+    # Too young by the object store's clock: kept (its push may be at it
+    # still), however far this host's clock has stepped forward.
+    # So is an object no row names (an upload whose rows went meanwhile
+    # deletes its own).
+    stray = prefix + layer_key(layer_name(0xFF))
+    client.put_object(Bucket=s3_env.bucket, Key=stray, Body=b"x")
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 7200.0)
+    a.sweep_remote()
+    monkeypatch.setattr(time, "time", real)
+    assert len(uploads()) == 1
+    assert client.list_objects_v2(Bucket=s3_env.bucket, Prefix=stray)["KeyCount"] == 1
+    # Older than the grace: aborted, whatever the hosts' clocks say.
+    assert a.sweep_remote(grace=0) >= 2
+    assert uploads() == []
+    assert client.list_objects_v2(Bucket=s3_env.bucket, Prefix=stray)["KeyCount"] == 0
+    assert list(a.staging.iterdir()) == []
+    # The push done again makes it durable; B restores it byte for byte.
+    cli("push", "--store", xfs / "store")
+    assert b.durable(big.id)
+    b.restore(big.id, host_b_dir / "big.img")
+    assert filecmp.cmp(host_b_dir / "big.img", keep / big.id, shallow=False)
+    assert cli("gc", "--store", store_b).returncode == 0
+    assert list(b.staging.iterdir()) == [] and b.verify() == {}
+
+
+def damage_file(path: Path, at: int) -> None:
+    """One byte of a read-only object file flipped in place, its mode kept."""
+    mode = os.stat(path).st_mode & 0o777
+    os.chmod(path, 0o600)
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.chmod(path, mode)
+
+
+def test_a_damaged_object_or_local_copy_is_never_kept_and_is_fetched_again(
+        hosts, xfs, host_b_dir, tmp_path, s3_env, bucket_url):
+    a, b = hosts
+    image, keep, rng = start_line(xfs, tmp_path, 15)
+    sid = commit_line(a, image, keep, rng, 1)[-1]
+    store_b = host_b_dir / "store"
+    map_file = b.map_path(b.get(sid)).name
+    key = f"{bucket_url.split('/', 3)[3]}/maps/{map_file}"
+    client = s3_env.client()
+    good = client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read()
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0xFF
+    # Other bytes of the same size, behind the store's back: refused, and
+    # nothing of it enters B's objects/.
+    client.put_object(Bucket=s3_env.bucket, Key=key, Body=bytes(bad))
+    done = cli("restore", "--store", store_b, sid, host_b_dir / "x.img", check=False)
+    assert done.returncode == 7 and "Traceback" not in done.stderr
+    assert "not the map the catalog records" in done.stderr
+    assert not (host_b_dir / "x.img").exists()
+    assert not (b.objects / map_file).exists() and list(b.staging.iterdir()) == []
+    # The right object put back: B restores it at once.
+    client.put_object(Bucket=s3_env.bucket, Key=key, Body=good)
+    cli("restore", "--store", store_b, sid, host_b_dir / "x.img")
+    assert filecmp.cmp(host_b_dir / "x.img", keep / sid, shallow=False)
+
+    # B's own copies damaged: verify names the damage, --repair fetches
+    # them again, and then every check passes.
+    layer = b.layer_path(int(sid, 16))
+    damage_file(b.objects / map_file, 100)
+    damage_file(layer, os.stat(layer).st_size // 2)
+    plain = cli("verify", "--store", store_b, "--json", check=False)
+    assert plain.returncode == 7
+    assert json.loads(plain.stdout)["problems"][sid]
+    repaired = cli("verify", "--store", store_b, "--repair", "--json")
+    out = json.loads(repaired.stdout)
+    assert out["consistent"] and sorted(out["fetched_again"]) == sorted([map_file, layer.name])
+    assert cli("verify", "--store", store_b).returncode == 0
+    # Damaged again: the next restore replaces them itself.
+    damage_file(b.objects / map_file, 100)
+    damage_file(layer, os.stat(layer).st_size // 3)
+    cli("restore", "--store", store_b, sid, host_b_dir / "y.img")
+    assert filecmp.cmp(host_b_dir / "y.img", keep / sid, shallow=False)
+    assert filecmp.cmp(host_b_dir / "x.img", keep / sid, shallow=False)
+    assert cli("verify", "--store", store_b).returncode == 0
+    cli("gc", "--store", store_b)
+    assert list(b.staging.iterdir()) == []
+
+
+def test_a_host_unknown_to_the_catalog_is_told_so_when_it_fetches(hosts, xfs, host_b_dir,
+                                                                  tmp_path):
+    a, b = hosts
+    image, keep, rng = start_line(xfs, tmp_path, 16)
+    sid = commit_line(a, image, keep, rng, 1)[-1]
+    with a.catalog.transaction() as db:
+        db.execute("DELETE FROM hosts WHERE id = ?", (b.shared.host,))
+    done = cli("restore", "--store", host_b_dir / "store", sid, host_b_dir / "x.img",
+               check=False)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "removed from the store" not in done.stderr
+    assert "not among the shared catalog's hosts" in done.stderr
+    assert not (host_b_dir / "x.img").exists()
+    assert not b.layer_path(int(sid, 16)).exists()

@@ -268,7 +268,9 @@ def gc(store_path, keep_last, keep_within, cache_size, dry_run, as_json):
     Without --keep-last or --keep-within only expired snapshots (TTL) go.
     A snapshot that is a part of another (a VM checkpoint's memory) takes no
     place of its own and goes with it. Files left by interrupted operations
-    are swept too.
+    are swept too; in a shared store, so are the objects no snapshot uses
+    and the uploads never completed, an hour after they began (by the
+    object store's clock).
 
     \b
     Example:
@@ -303,8 +305,11 @@ def gc(store_path, keep_last, keep_within, cache_size, dry_run, as_json):
 @click.command()
 @store_option
 @click.argument("snapshot_id", metavar="[ID]", required=False)
+@click.option("--repair", is_flag=True,
+              help="In a shared store: replace this host's damaged copies of maps and "
+                   "layers by the object store's (checked first), then check again.")
 @json_option
-def verify(store_path, snapshot_id, as_json):
+def verify(store_path, snapshot_id, repair, as_json):
     """Check the catalog and every checksum (of ID, or of every snapshot).
 
     Exits non-zero (7) and names each damaged snapshot on stderr.
@@ -312,11 +317,21 @@ def verify(store_path, snapshot_id, as_json):
     \b
     Example:
       blockdiff verify --store S
+      blockdiff verify --store S --repair
     """
+    fetched = []
     with open_store(store_path) as store, progress_bar("verify", as_json=as_json) as progress:
-        problems = store.verify(snapshot_id, progress=progress)
+        if repair:
+            done = store.repair(snapshot_id, progress=progress)
+            problems, fetched = done.problems, done.fetched_again
+        else:
+            problems = store.verify(snapshot_id, progress=progress)
     if as_json:
-        emit_json({"consistent": not problems, "problems": problems})
+        emit_json({"consistent": not problems, "problems": problems}
+                  | ({"fetched_again": fetched} if repair else {}))
+    elif fetched:
+        click.echo(f"fetched again from the object store (this host's copies were "
+                   f"damaged): {', '.join(fetched)}")
     if not problems:
         if not as_json:
             click.echo("store is consistent; every checksum matches")

@@ -95,6 +95,19 @@ MIGRATIONS = [
     ALTER TABLE snapshots ADD COLUMN map_size INTEGER;
     ALTER TABLE snapshots ADD COLUMN map_uploaded REAL;
     """,
+    # 5: generations, numbers the catalog hands out, each larger than every
+    # one before it: a layer copy gets one when its host places it, a
+    # snapshot when it is committed (its own layer's copy the same), so that
+    # whether a copy was there when a snapshot was committed is read from
+    # the catalog, never from hosts' clocks (which step). Copies already
+    # placed get 0 (before every snapshot that has one); snapshots already
+    # committed get none (their own maps are not trusted on any host).
+    """
+    CREATE TABLE generations (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+    INSERT INTO generations (name, value) VALUES ('copies', 0);
+    ALTER TABLE layer_copies ADD COLUMN generation INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE snapshots ADD COLUMN generation INTEGER;
+    """,
 ]
 # The same versions on PostgreSQL. Layer numbers are BIGINT: a layer is named
 # by 63 random bits (ids.new_id), a positive int64, as SQLite's INTEGER holds
@@ -161,6 +174,13 @@ POSTGRESQL_MIGRATIONS = [
     ALTER TABLE snapshots ADD COLUMN map_size BIGINT;
     ALTER TABLE snapshots ADD COLUMN map_uploaded DOUBLE PRECISION;
     """,
+    # A sequence: nextval never waits for other transactions, and a value it
+    # returns is larger than every value returned before the call.
+    """
+    CREATE SEQUENCE generations MINVALUE 1;
+    ALTER TABLE layer_copies ADD COLUMN generation BIGINT NOT NULL DEFAULT 0;
+    ALTER TABLE snapshots ADD COLUMN generation BIGINT;
+    """,
 ]
 # Catalogs made before the db layer count their migrations in schema_migrations.
 SCHEMA = Migrations("catalog", MIGRATIONS, legacy="schema_migrations",
@@ -217,6 +237,7 @@ class Snapshot:
     map_sha256: str = ""
     map_base: str | None = None   # the snapshot whose map this one's is a delta on
     host: str | None = None       # in a shared store: the host that committed it
+    generation: int | None = None  # in a shared store: the catalog's generation at its commit
 
 
 @dataclass
@@ -234,7 +255,7 @@ class LayerRecord:
 
 _SELECT = """
     SELECT s.seq, s.id, p.id, s.created, s.message, s.meta, s.size, s.changed_bytes,
-           s.ranges, s.expires, s.map_sha256, b.id, s.host
+           s.ranges, s.expires, s.map_sha256, b.id, s.host, s.generation
     FROM snapshots s LEFT JOIN snapshots p ON p.seq = s.parent
     LEFT JOIN snapshots b ON b.seq = s.map_base
 """
@@ -342,32 +363,36 @@ class Catalog:
 
         for snapshot_id in needed:
             seq_of(snapshot_id)
+        # In a shared store: the layer copies this host placed before now
+        # have smaller generations, those it places later larger ones.
+        generation = None if self.host is None else self.next_generation(db)
         if new_layer is not None:
-            self.add_layer(db, new_layer, placed=snapshot.created)
+            self.add_layer(db, new_layer, generation=generation)
         layers = sorted({int(layer) for layer in layers})
         seq = db.insert(
             "INSERT INTO snapshots (id, parent, created, message, meta, size, changed_bytes, "
-            "ranges, expires, map_sha256, map_base, refs, host) "
-            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            "ranges, expires, map_sha256, map_base, refs, host, generation) "
+            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (snapshot.id, seq_of(snapshot.parent), snapshot.created, snapshot.message,
              json.dumps(snapshot.meta, sort_keys=True), snapshot.size, snapshot.changed_bytes,
              snapshot.ranges, snapshot.expires, snapshot.map_sha256,
-             seq_of(snapshot.map_base), len(layers), self.host), key="seq")
+             seq_of(snapshot.map_base), len(layers), self.host, generation), key="seq")
+        snapshot.generation = generation
         db.executemany("INSERT INTO layer_refs VALUES (?, ?)",
                        [(seq, layer) for layer in layers])
         return seq
 
-    def add_layer(self, db, record: LayerRecord, placed: float | None = None) -> None:
+    def add_layer(self, db, record: LayerRecord, generation: int | None = None) -> None:
         """Record a new layer file inside an open transaction (in a shared
-        store: held by this host since ``placed``, by default now, and
-        checked there)."""
+        store: held by this host from ``generation`` on, by default a new
+        one, and checked there)."""
         shared = self.host is not None
         db.execute("INSERT INTO layers (layer, ranges, chunk, crcs, origin, checked, stat) "
                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
                    (record.layer, record.ranges, record.chunk, record.crcs, record.origin,
                     0.0 if shared else record.checked, "" if shared else record.stat))
         if shared:
-            self.add_copy(db, record.layer, record.checked, record.stat, placed)
+            self.add_copy(db, record.layer, record.checked, record.stat, generation)
 
     def layer(self, layer: int) -> LayerRecord | None:
         """The record of one layer, or None (in a shared store, its check
@@ -500,28 +525,56 @@ class Catalog:
         """The name of every host that joined, by id."""
         return dict(self.db.execute("SELECT id, name FROM hosts").fetchall())
 
-    def add_copy(self, db, layer: int, checked: float = 0.0, stat: str = "",
-                 placed: float | None = None) -> None:
-        """Inside an open transaction: this host holds a copy of ``layer``
-        since ``placed`` (by default now), checked whole at ``checked`` (0:
-        not yet) when its file was ``stat``."""
-        now = time.time() if placed is None else placed
-        db.execute("INSERT INTO layer_copies (layer, host, placed, used, checked, stat) "
-                   "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (layer, host) DO UPDATE SET "
-                   "placed = excluded.placed, used = excluded.used, "
-                   "checked = excluded.checked, stat = excluded.stat",
-                   (int(layer), self.host, now, now, checked, stat))
+    def next_generation(self, db) -> int:
+        """Inside an open transaction: a generation larger than every one
+        handed out before (see migration 5)."""
+        if self.db.dialect == "postgresql":
+            return int(db.execute("SELECT nextval('generations')").fetchone()[0])
+        # SQLite's transactions run one at a time (BEGIN IMMEDIATE).
+        db.execute("UPDATE generations SET value = value + 1 WHERE name = 'copies'")
+        return int(db.execute("SELECT value FROM generations WHERE name = 'copies'")
+                   .fetchone()[0])
 
-    def copies_cover(self, snapshot: Snapshot, since: float) -> bool:
-        """Whether this host has held, since ``since`` or before, a copy of
-        every layer ``snapshot`` uses."""
+    def add_copy(self, db, layer: int, checked: float = 0.0, stat: str = "",
+                 generation: int | None = None) -> None:
+        """Inside an open transaction: this host holds a copy of ``layer``
+        from ``generation`` on (by default a new one: a copy placed again is
+        another file, with other blocks), checked whole at ``checked`` (0:
+        not yet) when its file was ``stat``."""
+        if generation is None:
+            generation = self.next_generation(db)
+        now = time.time()   # what eviction orders by (and what people read), nothing else
+        db.execute("INSERT INTO layer_copies (layer, host, placed, used, checked, stat, "
+                   "generation) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (layer, host) DO "
+                   "UPDATE SET placed = excluded.placed, used = excluded.used, "
+                   "checked = excluded.checked, stat = excluded.stat, "
+                   "generation = excluded.generation",
+                   (int(layer), self.host, now, now, checked, stat, generation))
+
+    def copies_cover(self, snapshot: Snapshot, generation: int | None = None) -> bool:
+        """Whether this host holds a copy of every layer ``snapshot`` uses,
+        each placed at ``generation`` or before (None: whenever)."""
+        bound = "" if generation is None else " AND c.generation <= ?"
         row = self.db.execute(
             "SELECT COUNT(*) FROM layer_refs r JOIN layer_copies c ON c.layer = r.layer "
-            "AND c.host = ? WHERE r.snapshot = ? AND c.placed <= ?",
-            (self.host, snapshot.seq, since)).fetchone()
+            "AND c.host = ? WHERE r.snapshot = ?" + bound,
+            (self.host, snapshot.seq) + (() if generation is None else (generation,))
+        ).fetchone()
         total = self.db.execute("SELECT COUNT(*) FROM layer_refs WHERE snapshot = ?",
                                 (snapshot.seq,)).fetchone()
         return row[0] == total[0]
+
+    def copies_generation(self, snapshot: Snapshot) -> int | None:
+        """The latest generation of this host's copies of the layers
+        ``snapshot`` uses (None if it lacks one): while
+        ``copies_cover(snapshot, that)`` holds, none was placed again."""
+        if not self.copies_cover(snapshot):
+            return None
+        row = self.db.execute(
+            "SELECT MAX(c.generation) FROM layer_refs r JOIN layer_copies c "
+            "ON c.layer = r.layer AND c.host = ? WHERE r.snapshot = ?",
+            (self.host, snapshot.seq)).fetchone()
+        return 0 if row[0] is None else int(row[0])
 
     def drop_copies(self, db, layers) -> None:
         """Inside an open transaction: this host no longer holds ``layers``."""
@@ -563,7 +616,7 @@ class Catalog:
         """Layers this host holds that are not in the object store yet, oldest first."""
         return [layer for (layer,) in self.db.execute(
             "SELECT l.layer FROM layers l JOIN layer_copies c ON c.layer = l.layer "
-            "WHERE c.host = ? AND l.uploaded IS NULL ORDER BY c.placed", (self.host,))]
+            "WHERE c.host = ? AND l.uploaded IS NULL ORDER BY c.generation", (self.host,))]
 
     def pending_maps(self) -> list[Snapshot]:
         """Snapshots whose map is not in the object store yet, oldest first

@@ -20,7 +20,7 @@ import numpy as np
 
 from blockdiff import native
 from blockdiff.engine.extents import PieceTable, pieces_within, splice_pieces, union
-from blockdiff.errors import Damaged
+from blockdiff.errors import BlockdiffError, Damaged
 from blockdiff.progress import NO_PROGRESS, Progress
 from blockdiff.store.catalog import Catalog, LayerRecord, Snapshot
 from blockdiff.store.maps import PIECE_DTYPE, unpack_pieces
@@ -167,6 +167,19 @@ class Layers:
         self.catalog.touch_copies(layers)
         return fetched
 
+    def fetch_again(self, layer: int) -> bool:
+        """In a shared store: replace this host's copy of a layer, found
+        damaged, by the object store's (checked chunk by chunk first); False
+        where there is none to fetch (a store of one host, a layer not
+        uploaded)."""
+        if self.fetcher is None or not self.fetcher.uploaded_layer(layer):
+            return False
+        table = self.decoded(layer)
+        self.fetcher.layer(layer, table.run_pos, table.run_length, table.record.chunk,
+                           table.crc, replace=True)
+        self.forget(layer)
+        return True
+
     def decoded(self, layer: int) -> DecodedLayer:
         """The catalog's record of a layer, decoded (``Damaged`` if it has
         none or it does not decode)."""
@@ -237,7 +250,9 @@ class Layers:
         """Whether a layer's file is unchanged since a whole check passed
         recently enough (see VOUCH_SECONDS)."""
         record = self.decoded(layer).record
-        if not record.stat or time.time() - record.checked > VOUCH_SECONDS:
+        # A check "in the future" is one from before this host's clock
+        # stepped back: not trusted, so that no step makes a vouch last longer.
+        if not record.stat or not 0 <= time.time() - record.checked <= VOUCH_SECONDS:
             return False
         try:
             return file_identity(self.files.layer_path(layer)) == record.stat
@@ -270,14 +285,26 @@ class Layers:
             progress.start(self.whole_bytes(layer for layer, _ in groups), "B",
                            "checking layers")
         for layer, sel in groups:
-            if whole:
-                bad, n, problem = self.check_whole(layer, progress)
-            else:
-                bad, n, problem = self.bad_chunks(layer, pieces.pos[sel], pieces.length[sel])
-            read += n
+            again = ""
+            for attempt in range(2):
+                if whole:
+                    bad, n, problem = self.check_whole(layer, progress)
+                else:
+                    bad, n, problem = self.bad_chunks(layer, pieces.pos[sel],
+                                                      pieces.length[sel])
+                read += n
+                if problem or not len(bad[0]) or attempt:
+                    break
+                # This host's copy is damaged: the object store's, if any, replaces it.
+                try:
+                    if not self.fetch_again(layer):
+                        break
+                except (BlockdiffError, OSError) as e:
+                    again = f"; fetching it again failed: {str(e).split(';')[0]}"
+                    break
             if problem or len(bad[0]):
                 what = problem or (f"{layer_name(layer)}: {len(bad[0])} chunk(s) fail their "
-                                   f"checksum")
+                                   f"checksum{again}")
                 raise Damaged(f"snapshot {snap.id} is damaged ({what}); nothing was "
                               f"written; run: blockdiff verify --store {self.files.root}")
         return read

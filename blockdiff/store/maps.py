@@ -31,7 +31,14 @@ from blockdiff.engine.extents import (
     splice_pieces,
     union,
 )
-from blockdiff.errors import Conflict, Damaged, RemoteError, StoreError, UnknownSnapshot
+from blockdiff.errors import (
+    BlockdiffError,
+    Conflict,
+    Damaged,
+    RemoteError,
+    StoreError,
+    UnknownSnapshot,
+)
 from blockdiff.store.catalog import Catalog, Snapshot
 from blockdiff.store.ids import find_snapshot
 from blockdiff.store.objects import DecodedCache, ObjectFiles
@@ -199,17 +206,20 @@ class Maps:
         """Where a snapshot's map is."""
         return self.files.map_path(snap.id, snap.map_sha256)
 
-    def load(self, snap: Snapshot, *, cached: bool = True) -> SnapshotMap:
+    def load(self, snap: Snapshot, *, cached: bool = True, refetch: bool = True
+             ) -> SnapshotMap:
         """A snapshot's map, checked against the digest the catalog recorded
         (when it is read: ``cached=False`` reads it even if it was read before)
-        and against the catalog's size."""
-        smap = self._read(snap, cached)
+        and against the catalog's size. In a shared store, a local copy that
+        fails its digest is replaced by the object store's, unless not
+        ``refetch``."""
+        smap = self._read(snap, cached, refetch)
         if smap.pieces.size != snap.size or smap.extents.size != snap.size:
             raise Damaged(f"snapshot {snap.id}: the catalog says {snap.size} bytes, its map "
                           f"{smap.pieces.size}; run: blockdiff verify --store {self.files.root}")
         return smap
 
-    def _read(self, snap: Snapshot, cached: bool) -> SnapshotMap:
+    def _read(self, snap: Snapshot, cached: bool, refetch: bool = True) -> SnapshotMap:
         """``snap``'s map, read again from the catalog's current row if the
         one read fails because the row changed meanwhile: another host or
         process removing its base rewrites it whole and deletes the old
@@ -217,7 +227,7 @@ class Maps:
         row can find gone. The content is the same either way."""
         for _ in range(MAP_REREADS):
             try:
-                return self._read_row(snap, cached)
+                return self._read_row(snap, cached, refetch)
             except (StoreError, RemoteError, FileNotFoundError):
                 now = self.catalog.get(snap.id)
                 if now is not None and (now.map_sha256, now.map_base) == (snap.map_sha256,
@@ -230,7 +240,7 @@ class Maps:
         raise Conflict(f"the map of snapshot {snap.id} was rewritten {MAP_REREADS} times "
                        f"while it was being read; try again")
 
-    def _read_row(self, snap: Snapshot, cached: bool) -> SnapshotMap:
+    def _read_row(self, snap: Snapshot, cached: bool, refetch: bool) -> SnapshotMap:
         if cached:
             known = self._decoded.get(snap.map_sha256)
             if known is not None:
@@ -241,6 +251,16 @@ class Maps:
         if self.fetcher is not None and not path.exists():
             self.fetcher.map(snap)
         raw = path.read_bytes()
+        if (hashlib.sha256(raw).hexdigest() != snap.map_sha256 and refetch
+                and self.fetcher is not None and self.fetcher.uploaded_map(snap)):
+            # This host's copy is damaged: the object store's, checked, replaces it.
+            try:
+                self.fetcher.map(snap, replace=True)
+            except (BlockdiffError, OSError) as e:
+                raise Damaged(f"the map of snapshot {snap.id} is damaged here, and fetching "
+                              f"it again failed: {str(e).split(';')[0]}; run: blockdiff "
+                              f"verify --store {self.files.root}") from None
+            raw = path.read_bytes()
         if hashlib.sha256(raw).hexdigest() != snap.map_sha256:
             raise damaged
         try:
@@ -250,7 +270,8 @@ class Maps:
         if delta is not None:
             if delta.base != snap.map_base:
                 raise damaged
-            base = self._read(find_snapshot(self.catalog, self.files.root, delta.base), cached)
+            base = self._read(find_snapshot(self.catalog, self.files.root, delta.base), cached,
+                              refetch)
             own = smap
             extents, _ = remap(base.extents, delta.starts, delta.ends,
                                (own.extents.logical, own.extents.physical, own.extents.length,

@@ -180,10 +180,29 @@ class ObjectFiles:
             if path.name not in keep:
                 freed += unlink(path)
         for path in self.staging.iterdir():
-            pid = path.name.split(".")[1] if path.name.count(".") >= 2 else ""
-            if pid.isdigit() and not native.process_alive(int(pid)):
+            pid = staged_owner(path.name)
+            if pid is not None and not native.process_alive(pid):
                 freed += unlink(path)
         return freed
+
+
+# The most digits a pid has (a positive 32-bit number; Linux's are at most
+# 2**22): a layer id, a digest's 16 hex digits or a temporary name's random
+# 12 that happen to be all digits are never taken for one.
+_PID_DIGITS = 10
+
+
+def staged_owner(name: str) -> int | None:
+    """The pid of the process a staging file belongs to, or None if its name
+    is not one of ``ObjectFiles.staged`` (``NAME.PID.SUFFIX``), nor the
+    temporary file beside one (``.NAME.PID.SUFFIX.RANDOM.partial``). NAME
+    may hold dots itself (``ID.layer``, ``ID.DIGEST.map``): the pid is the
+    first field after the first that is all digits and short enough."""
+    fields = name.removeprefix(".").split(".")
+    for field in fields[1:]:
+        if field.isdigit() and len(field) <= _PID_DIGITS:
+            return int(field)
+    return None
 
 
 class StoreLock:

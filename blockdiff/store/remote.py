@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import email.utils
 import os
 import threading
 import urllib.parse
@@ -125,6 +126,22 @@ class ObjectInfo:
     etag: str
     digest: str | None = None
     modified: float | None = None   # when it was written (seconds since the epoch), if known
+    # In listings: seconds since it was written, both ends read from the
+    # object store's own clock (its Last-Modified against the Date of the
+    # listing's answer), so no host's clock enters it. None if unknown.
+    age: float | None = None
+
+
+@dataclass(frozen=True)
+class UploadInfo:
+    """A multipart upload begun and neither completed nor aborted: its key
+    (below the remote's prefix), its id, and its age by the object store's
+    own clock (its Initiated against the Date of the listing's answer;
+    None if unknown)."""
+
+    key: str
+    upload_id: str
+    age: float | None
 
 
 @dataclass(frozen=True)
@@ -258,6 +275,28 @@ class ObjectBackend(abc.ABC):
     @abc.abstractmethod
     def delete(self, keys: Sequence[str]) -> None:
         """Delete the objects at ``keys``; a key with no object is no error."""
+
+    def uploads(self, prefix: str = "") -> Iterator[UploadInfo]:
+        """The multipart uploads under way (or left by a writer that died)
+        whose keys begin with ``prefix``. A backend without them has none."""
+        return iter(())
+
+    def abort(self, upload: UploadInfo) -> None:
+        """Abort a multipart upload (its parts are dropped; one completed or
+        aborted meanwhile is no error). Its writer, if still at it, fails."""
+
+
+def _server_now(response: dict) -> float | None:
+    """The object store's clock when it answered (its Date header)."""
+    date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    try:
+        return email.utils.parsedate_to_datetime(date).timestamp() if date else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _age(now: float | None, then) -> float | None:
+    return None if now is None or then is None else now - then.timestamp()
 
 
 def parse_url(url: str) -> tuple[str, str]:
@@ -561,11 +600,36 @@ class S3Remote(ObjectBackend):
             pages = self._client.get_paginator("list_objects_v2").paginate(
                 Bucket=self.bucket, Prefix=below + prefix)
             for page in pages:
+                now = _server_now(page)
                 for item in page.get("Contents", ()):
                     written = item.get("LastModified")
                     yield ObjectInfo(item["Key"][len(below):], int(item["Size"]),
                                      item.get("ETag", ""), None,
-                                     None if written is None else written.timestamp())
+                                     None if written is None else written.timestamp(),
+                                     _age(now, written))
+
+    def uploads(self, prefix: str = "") -> Iterator[UploadInfo]:
+        """See :meth:`ObjectBackend.uploads`."""
+        below = f"{self.prefix}/" if self.prefix else ""
+        with self._request("list uploads", f"{self.url}/{prefix}*"):
+            pages = self._client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.bucket, Prefix=below + prefix)
+            for page in pages:
+                now = _server_now(page)
+                for item in page.get("Uploads", ()):
+                    if item["Key"].startswith(below):
+                        yield UploadInfo(item["Key"][len(below):], item["UploadId"],
+                                         _age(now, item.get("Initiated")))
+
+    def abort(self, upload: UploadInfo) -> None:
+        """See :meth:`ObjectBackend.abort`."""
+        try:
+            with self._request("abort upload", self.object_url(upload.key)):
+                self._client.abort_multipart_upload(Bucket=self.bucket,
+                                                    Key=self._full_key(upload.key),
+                                                    UploadId=upload.upload_id)
+        except NoSuchObject:
+            pass     # completed or aborted meanwhile
 
     def delete(self, keys: Sequence[str]) -> None:
         """See :meth:`ObjectBackend.delete`."""

@@ -41,8 +41,9 @@ from blockdiff.store.catalog import Snapshot
 from blockdiff.store.objects import allocated, layer_name, map_name, unlink
 from blockdiff.store.state import StoreState
 
-# Objects no catalog row names are deleted by the sweep only once they are
-# this old: an upload in flight for a row being removed deletes its own.
+# Objects no catalog row names are deleted by the sweep, and multipart
+# uploads never completed are aborted, only once they are this old by the
+# object store's own clock (see sweep_remote).
 SWEEP_GRACE = 3600.0
 
 
@@ -199,7 +200,7 @@ def placement_of(store: StoreState, snap: Snapshot) -> Placement:
     catalog = store.catalog
     if store.shared is None:
         return Placement(snap.id, None, True, False)
-    here = store.map_path(snap).exists() and catalog.copies_cover(snap, float("inf"))
+    here = store.map_path(snap).exists() and catalog.copies_cover(snap)
     durable = catalog.not_uploaded(snap) == 0
     cursor = snap
     while durable:
@@ -243,14 +244,33 @@ def evict(store: StoreState, limit: int) -> tuple[list[int], int]:
     return chosen, freed
 
 
-def sweep_remote(store: StoreState, now: float | None = None) -> int:
-    """Delete the objects no catalog row names that are older than
-    ``SWEEP_GRACE``; how many were deleted."""
+def sweep_remote(store: StoreState, grace: float = SWEEP_GRACE) -> int:
+    """Delete the objects no catalog row names, and abort the multipart
+    uploads never completed (a push killed half-way leaves its parts stored,
+    and billed, for good otherwise), of those at least ``grace`` seconds
+    old; how many objects and uploads went.
+
+    Ages are read from the object store's clock alone (what it says an
+    object or upload was written at, against the time it gives in the
+    answer listing it), so no host's clock, stepped or not, shortens the
+    grace. Nor does correctness rest on it: an upload aborted while its
+    push is still at it fails that push (a layer or map is recorded as
+    uploaded only after its upload completes), which uploads it again next
+    time; the grace spares that work, and the uploads in flight of rows
+    being removed the chance to delete their own objects."""
     from blockdiff.store.remote import layer_key, map_key
     _require_shared(store)
-    now = time.time() if now is None else now
     remote = store.remote
-    listed = [info for info in remote.list("") if (info.modified or now) < now - SWEEP_GRACE]
+
+    def old(age: float | None) -> bool:
+        return age is not None and age >= grace
+
+    aborted = 0
+    for upload in list(remote.uploads("")):
+        if old(upload.age) and upload.key.startswith(("layers/", "maps/")):
+            remote.abort(upload)
+            aborted += 1
+    listed = [info for info in remote.list("") if old(info.age)]
     # Read after the listing: a row committed before an object was listed
     # is seen here.
     snaps = store.catalog.all()
@@ -266,7 +286,7 @@ def sweep_remote(store: StoreState, now: float | None = None) -> int:
             and info.key[len("maps/"):].split(".", 1)[0] not in rewritable))]
     if doomed:
         remote.delete(doomed)
-    return len(doomed)
+    return len(doomed) + aborted
 
 
 def upload_rewritten_maps(store: StoreState, dependents: list[Snapshot],

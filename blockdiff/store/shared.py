@@ -30,16 +30,20 @@ the standard places boto3 reads (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``
 and ``AWS_SECRET_ACCESS_KEY``, ``~/.aws``) and are never stored.
 
 Fetching (:class:`Fetcher`): a layer or map this host lacks is downloaded
-into ``staging/``, checked (a layer chunk by chunk against the CRC32C the
-catalog keeps, a map by its digest when it is read), and linked into
-``objects/`` under the shared store lock, then recorded as this host's copy,
-vouched for since every chunk was just checked. A layer not uploaded yet is
-refused with the host that holds it.
+into ``staging/``, checked against the catalog (a layer chunk by chunk
+against the CRC32C it keeps, a map by the digest it records: the object
+store's contents are never trusted), and only then linked into ``objects/``
+under the shared store lock, then recorded as this host's copy, vouched for
+since every chunk was just checked. A layer not uploaded yet is refused with
+the host that holds it. A local copy found damaged (a restore's check, or
+``verify --repair``) is replaced the same way, if the object store has the
+object: its row first (a new generation), then the file renamed over.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -247,41 +251,72 @@ class Fetcher:
         """The hosts that hold a layer, as a phrase for messages."""
         names = [name for (name,) in self.catalog.db.execute(
             "SELECT h.name FROM layer_copies c JOIN hosts h ON h.id = c.host "
-            "WHERE c.layer = ? ORDER BY c.placed", (int(layer),))]
+            "WHERE c.layer = ? ORDER BY c.generation", (int(layer),))]
         return ", ".join(names) if names else "no host"
 
-    def layer(self, layer: int, pos, length, chunk: int, crcs) -> int:
+    def layer(self, layer: int, pos, length, chunk: int, crcs, *,
+              replace: bool = False) -> int:
         """Fetch a layer this host lacks, checked against its chunks' CRC32C
-        (the runs ``pos``/``length`` cut into ``chunk``-byte chunks, ``crcs``);
-        the bytes downloaded (0 if another process of this host got it first)."""
+        (the runs ``pos``/``length`` cut into ``chunk``-byte chunks, ``crcs``)
+        before it enters ``objects/``; the bytes downloaded (0 if another
+        process of this host got it first). ``replace``: this host's copy is
+        damaged, and is replaced by the object store's."""
         from blockdiff.store.remote import ChunkChecksums, layer_key
         final = self.files.layer_path(layer)
-        if final.exists():
+        if final.exists() and not replace:
             return 0
         size, uploaded = self.catalog.uploads([layer]).get(int(layer), (None, None))
         if uploaded is None:
             raise StoreError(f"layer {final.name} is not in the object store yet: it is "
                              f"only on {self.holders(layer)}; run blockdiff push there")
         checksums = ChunkChecksums(pos, length, chunk, crcs)
+
+        def download(staged: Path) -> None:
+            self.remote.get_file(layer_key(final.name), staged, size, checksums,
+                                 mode=self.files.mode)
+
+        def record(checked: float = 0.0, stat: str = "") -> None:
+            with self.catalog.transaction() as db:
+                self.catalog.add_copy(db, layer, checked, stat)
+
         with self.lock.shared():
-            self._land(final, lambda staged: self.remote.get_file(
-                layer_key(final.name), staged, size, checksums, mode=self.files.mode))
             try:
-                with self.catalog.transaction() as db:
-                    self.catalog.add_copy(db, layer, time.time(), file_identity(final))
+                if replace:
+                    # The row before the file: a copy placed again is another
+                    # file, and the extent maps that relied on the old one stop
+                    # holding (blockdiff.store.views) before it changes.
+                    self._land(final, download, before=record)
+                    self.catalog.mark_checked(layer, time.time(), file_identity(final))
+                else:
+                    self._land(final, download)
+                    record(time.time(), file_identity(final))
             except ConstraintFailed:
-                # The layer was removed meanwhile: its file goes too.
-                with contextlib.suppress(FileNotFoundError):
-                    final.unlink()
-                raise StoreError(f"layer {final.name} was removed from the store while it "
-                                 f"was being fetched") from None
+                if not replace:
+                    with contextlib.suppress(FileNotFoundError):
+                        final.unlink()
+                raise self._not_recorded(layer, final) from None
         return size
 
-    def map(self, snap: Snapshot) -> None:
-        """Fetch the map a snapshot names (checked by its digest when read)."""
+    def _not_recorded(self, layer: int, final: Path) -> StoreError:
+        """Why this host's copy of a layer could not be recorded."""
+        if self.catalog.layer(layer) is None:
+            return StoreError(f"layer {final.name} was removed from the store while it was "
+                              f"being fetched")
+        if self.host not in self.catalog.host_names():
+            return StoreError(f"this host (id {self.host}) is not among the shared catalog's "
+                              f"hosts, so it cannot record the copies it fetches: the "
+                              f"catalog was replaced or its row removed; join the store "
+                              f"again with blockdiff init --catalog ...")
+        return StoreError(f"layer {final.name}: this host's copy could not be recorded in "
+                          f"the catalog; retry")
+
+    def map(self, snap: Snapshot, *, replace: bool = False) -> None:
+        """Fetch the map a snapshot names, checked against the digest the
+        catalog records before it enters ``objects/``. ``replace``: this
+        host's copy is damaged, and is replaced by the object store's."""
         from blockdiff.store.remote import map_key
         final = self.files.map_path(snap.id, snap.map_sha256)
-        if final.exists():
+        if final.exists() and not replace:
             return
         size, uploaded = self.catalog.map_upload(snap)
         if uploaded is None:
@@ -290,17 +325,40 @@ class Fetcher:
                 "the host that wrote it"
             raise StoreError(f"snapshot {snap.id} is not in the object store yet: its map is "
                              f"only on {where}; run blockdiff push there")
-        with self.lock.shared():
-            self._land(final, lambda staged: self.remote.get_file(
-                map_key(final.name), staged, size, mode=self.files.mode))
 
-    def _land(self, final: Path, download) -> None:
-        """Download into a staging file, then link it into ``objects/``."""
+        def download(staged: Path) -> None:
+            key = map_key(final.name)
+            self.remote.get_file(key, staged, size, mode=self.files.mode)
+            if hashlib.sha256(staged.read_bytes()).hexdigest() != snap.map_sha256:
+                raise Damaged(f"download {self.remote.object_url(key)}: the object is not "
+                              f"the map the catalog records for snapshot {snap.id} (its "
+                              f"digest differs): it is damaged in the object store; nothing "
+                              f"was kept; upload it again from a host whose copy verifies")
+
+        with self.lock.shared():
+            self._land(final, download, before=(lambda: None) if replace else None)
+
+    def uploaded_map(self, snap: Snapshot) -> bool:
+        """Whether the map a snapshot names is in the object store."""
+        return self.catalog.map_upload(snap)[1] is not None
+
+    def uploaded_layer(self, layer: int) -> bool:
+        """Whether a layer is in the object store."""
+        return self.catalog.uploads([layer]).get(int(layer), (None, None))[1] is not None
+
+    def _land(self, final: Path, download, before=None) -> None:
+        """Download into a staging file (``download`` checks it), then link
+        it into ``objects/``; with ``before``, rename it over the damaged
+        file there once ``before()`` ran."""
         staged = self.files.staged(final.name, "fetch")
         try:
             download(staged)
-            with contextlib.suppress(FileExistsError):   # another process was first
-                os.link(staged, final)
+            if before is not None:
+                before()
+                os.replace(staged, final)
+            else:
+                with contextlib.suppress(FileExistsError):   # another process was first
+                    os.link(staged, final)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 staged.unlink()

@@ -89,11 +89,13 @@ class StoreState:
         """Where a layer's data file is."""
         return self.object_files.layer_path(layer)
 
-    def load_map(self, snap: Snapshot, *, cached: bool = True) -> SnapshotMap:
+    def load_map(self, snap: Snapshot, *, cached: bool = True,
+                 refetch: bool = True) -> SnapshotMap:
         """A snapshot's map, checked against the digest the catalog recorded
         (when it is read: ``cached=False`` reads it even if it was read before)
-        and against the catalog's size."""
-        return self.maps.load(snap, cached=cached)
+        and against the catalog's size; in a shared store, a damaged local
+        copy is replaced by the object store's, unless not ``refetch``."""
+        return self.maps.load(snap, cached=cached, refetch=refetch)
 
     def lineage(self, image: str | os.PathLike) -> tuple[str | None, str]:
         """``(snapshot id, state)`` an image records for this store, else ``(None, "")``."""

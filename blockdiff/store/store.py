@@ -457,9 +457,11 @@ class Store(StoreState):
         they take at most ``cache_size`` bytes; the layers and bytes freed."""
         return replication.evict(self, cache_size)
 
-    def sweep_remote(self) -> int:
-        """Delete the objects no snapshot uses (older than an hour)."""
-        return replication.sweep_remote(self)
+    def sweep_remote(self, grace: float = replication.SWEEP_GRACE) -> int:
+        """Delete the objects no snapshot uses and abort the uploads never
+        completed, of those ``grace`` seconds old (by the object store's
+        clock; an hour by default); how many went."""
+        return replication.sweep_remote(self, grace)
 
     def restore(self, snapshot_id: str, image: str | os.PathLike, *,
                 written: Written | None = None,
@@ -552,6 +554,15 @@ class Store(StoreState):
         layer bytes read.
         """
         return verify.verify(self, snapshot_id, progress)
+
+    def repair(self, snapshot_id: str | None = None, *,
+               progress: Progress = NO_PROGRESS) -> verify.Repair:
+        """Verify (see :meth:`verify`), and in a shared store replace each
+        of this host's map and layer copies found damaged by the object
+        store's, checked against the catalog first; then verify again what
+        was replaced. Returns the files fetched again and the problems that
+        remain."""
+        return verify.repair(self, snapshot_id, progress)
 
 
 @contextlib.contextmanager

@@ -3,22 +3,72 @@ snapshots each problem affects."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from blockdiff.engine.extents import subtract, union
 from blockdiff.errors import Damaged, StoreError
 from blockdiff.progress import NO_PROGRESS, Progress
+from blockdiff.store.catalog import Snapshot
 from blockdiff.store.layers import NO_CHUNKS, Layers, by_layer
 from blockdiff.store.objects import layer_name
 from blockdiff.store.state import StoreState
 
 
+@dataclass
+class Repair:
+    """What ``verify --repair`` did: the object files it fetched again from
+    the object store (this host's copies were damaged), and the problems
+    that remain, as ``Store.verify`` gives them."""
+
+    fetched_again: list[str] = field(default_factory=list)
+    problems: dict[str, list[str]] = field(default_factory=dict)
+
+
 def verify(store: StoreState, snapshot_id: str | None = None,
            progress: Progress = NO_PROGRESS) -> dict[str, list[str]]:
     """See ``Store.verify``."""
+    return _verify(store, snapshot_id, progress)[0]
+
+
+def repair(store: StoreState, snapshot_id: str | None = None,
+           progress: Progress = NO_PROGRESS) -> Repair:
+    """See ``Store.repair``."""
+    done = Repair()
+    tried: set[str] = set()
+    while True:
+        # A map fetched again lets the layers it names be checked: another round.
+        done.problems, maps, layers = _verify(store, snapshot_id, progress)
+        if store.shared is None:
+            return done
+        names = ([(store.map_path(s).name, s) for s in maps]
+                 + [(layer_name(x), x) for x in sorted(layers)])
+        todo = [(name, what) for name, what in names if name not in tried]
+        if not todo:
+            return done
+        with store.lock.shared():
+            for name, what in todo:
+                tried.add(name)
+                with contextlib.suppress(Damaged, StoreError):   # reported by the next round
+                    if isinstance(what, Snapshot):
+                        if not store.maps.fetcher.uploaded_map(what):
+                            continue
+                        store.maps.fetcher.map(what, replace=True)
+                    elif not store.layers.fetch_again(what):
+                        continue
+                    done.fetched_again.append(name)
+
+
+def _verify(store: StoreState, snapshot_id: str | None, progress: Progress
+            ) -> tuple[dict[str, list[str]], list[Snapshot], set[int]]:
+    """The problems found, and the snapshots whose map and the layers whose
+    chunks this host holds damaged."""
     problems: dict[str, list[str]] = {}
+    damaged_maps: list[Snapshot] = []
     catalog = store.catalog.integrity_problems()
     lost = store.catalog.lost_references()
     catalog += [f"snapshot {sid}: its layer references are not all there" for sid in lost]
@@ -32,9 +82,12 @@ def verify(store: StoreState, snapshot_id: str | None = None,
                     and store.catalog.map_upload(snap)[1] is None):
                 continue      # pending on the host that wrote it: that host checks it
             try:
-                maps[snap.id] = store.load_map(snap, cached=False)
+                maps[snap.id] = store.load_map(snap, cached=False, refetch=False)
             except (OSError, StoreError, Damaged, ValueError) as e:
                 problems[snap.id] = [f"map: {getattr(e, 'strerror', None) or e}"]
+                if store.shared is not None:
+                    damaged_maps += [s for s in _damaged_copies(store, snap)
+                                     if s.id not in {d.id for d in damaged_maps}]
         # Every layer is read once, however many snapshots use it.
         every_layer = {int(layer) for smap in maps.values()
                        for layer in np.unique(smap.pieces.layer)}
@@ -68,7 +121,25 @@ def verify(store: StoreState, snapshot_id: str | None = None,
                                      f"chunks that fail their checksum")
             if found:
                 problems[snap.id] = sorted(set(found))
-    return problems
+    damaged_layers = {layer for layer, (_, bad) in checked.items() if len(bad[0])}
+    return problems, damaged_maps, damaged_layers
+
+
+def _damaged_copies(store: StoreState, snap: Snapshot) -> list[Snapshot]:
+    """The snapshots, of ``snap`` and the chain of maps it is a delta on,
+    whose map file this host holds with another digest than the catalog's."""
+    found = []
+    while True:
+        with contextlib.suppress(OSError):
+            if hashlib.sha256(store.map_path(snap).read_bytes()).hexdigest() \
+                    != snap.map_sha256:
+                found.append(snap)
+        if snap.map_base is None:
+            return found
+        try:
+            snap = store.get(snap.map_base)
+        except StoreError:
+            return found
 
 
 def _check_layer(layers: Layers, layer: int, progress: Progress) -> tuple[list[str], tuple]:

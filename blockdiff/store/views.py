@@ -22,8 +22,14 @@ In a store shared by several hosts:
   and an in-place restore rewrites the whole image from the layers (then
   records a view).
 
-"Held since" is read from the catalog: every layer copy records when its
-host placed it (a commit's own layer at the snapshot's creation time).
+"Held since" is read from the catalog, never from a clock: the catalog
+hands out generations, each larger than every one before it; a layer copy
+gets one when its host places it, a snapshot when it is committed (its own
+layer's copy the same). A snapshot's own extent map holds on the host that
+committed it while every copy of the layers it uses has a generation no
+larger than the snapshot's; a view records the latest generation of those
+copies when it was made, and holds while none is larger. A copy evicted and
+fetched again is placed at a new generation, whatever any clock says.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import struct
 from pathlib import Path
 
 from blockdiff.engine.extents import ExtentMap
@@ -39,6 +46,9 @@ from blockdiff.store.maps import MAP_ERRORS, SnapshotMap, decode_map, encode_map
 from blockdiff.store.state import StoreState
 
 VIEWS = "views"
+# A view file: this magic, the generation it was made at (u64), then a map.
+VIEW_MAGIC = b"BDVIEWG1"
+_VIEW_HEAD = struct.Struct("<8sQ")
 
 
 def view_path(store: StoreState, snap: Snapshot) -> Path:
@@ -53,17 +63,19 @@ def host_extents(store: StoreState, snap: Snapshot, smap: SnapshotMap | None = N
     host = store.catalog.host
     if host is None:
         return (smap or store.load_map(snap)).extents
-    if snap.host == host and store.catalog.copies_cover(snap, snap.created):
+    if _own_map_holds(store, snap):
         return (smap or store.load_map(snap)).extents
     path = view_path(store, snap)
     try:
-        recorded = os.stat(path).st_mtime
-        if not store.catalog.copies_cover(snap, recorded):
+        raw = path.read_bytes()
+        magic, generation = _VIEW_HEAD.unpack_from(raw)
+        # Made before views recorded a generation, or damaged: a cache that is lost.
+        if magic != VIEW_MAGIC or not store.catalog.copies_cover(snap, generation):
             return None
-        view, _ = decode_map(path.read_bytes())
+        view, _ = decode_map(raw[_VIEW_HEAD.size:])
     except FileNotFoundError:
         return None
-    except MAP_ERRORS:
+    except (*MAP_ERRORS, struct.error):
         return None    # a damaged view is only a cache that is lost
     if view.extents.size != snap.size:
         return None
@@ -76,15 +88,20 @@ def record_view(store: StoreState, snap: Snapshot, smap: SnapshotMap, fd: int,
     host's layers: keep its extent map as the snapshot's view here, unless
     the snapshot's own holds. Best effort: without a view the next commit
     compares contents."""
-    if store.catalog.host is None or (snap.host == store.catalog.host
-                                      and store.catalog.copies_cover(snap, snap.created)):
+    if store.catalog.host is None or _own_map_holds(store, snap):
+        return
+    # The copies the image was just made from (the store lock, held by the
+    # caller, keeps any from being evicted and placed again meanwhile).
+    generation = store.catalog.copies_generation(snap)
+    if generation is None:
         return
     target = view_path(store, snap)
     temp = target.with_name(f".{target.name}.{os.getpid()}")
     with contextlib.suppress(OSError):
         target.parent.mkdir(mode=0o700, exist_ok=True)
         extents = ExtentMap.of_file(fd, path)
-        raw = encode_map(dataclasses.replace(smap, extents=extents, chain=0))
+        raw = _VIEW_HEAD.pack(VIEW_MAGIC, generation) + encode_map(
+            dataclasses.replace(smap, extents=extents, chain=0))
         try:
             with open(temp, "xb") as f:
                 f.write(raw)
@@ -94,6 +111,14 @@ def record_view(store: StoreState, snap: Snapshot, smap: SnapshotMap, fd: int,
         finally:
             with contextlib.suppress(FileNotFoundError):
                 temp.unlink()
+
+
+def _own_map_holds(store: StoreState, snap: Snapshot) -> bool:
+    """Whether the snapshot was committed on this host and every layer copy
+    it uses here was placed no later than its commit (see the module's
+    docstring)."""
+    return (snap.host == store.catalog.host and snap.generation is not None
+            and store.catalog.copies_cover(snap, snap.generation))
 
 
 def sweep_views(store: StoreState, keep: set[str]) -> None:
