@@ -303,16 +303,20 @@ def gc(store_path, keep_last, keep_within, cache_size, dry_run, as_json):
 @click.argument("snapshot_id", metavar="[ID]", required=False)
 @json_option
 def verify(store_path, snapshot_id, as_json):
-    """Check the catalog and every checksum (of ID, or of every snapshot).
+    """Check the catalog and every checksum (of ID, or of every snapshot),
+    and the VMs' standby images and spares (those of ID).
 
-    Exits non-zero (7) and names each damaged snapshot on stderr.
+    Exits non-zero (7) and names each damaged snapshot (or VM) on stderr.
 
     \b
     Example:
       blockdiff verify --store S
     """
+    from blockdiff.vm.integrity import verify_vms
+
     with open_store(store_path) as store, progress_bar("verify", as_json=as_json) as progress:
         problems = store.verify(snapshot_id, progress=progress)
+        problems |= verify_vms(store, store.resolve(snapshot_id) if snapshot_id else None)
     if as_json:
         emit_json({"consistent": not problems, "problems": problems})
     if not problems:

@@ -59,7 +59,7 @@ from blockdiff.store.store import Store, as_store
 from blockdiff.vm.guestlink import THAW, ExecResult, GuestLink
 from blockdiff.vm.machine import DEFAULT_BOOT_TIMEOUT, Machine, fork_waiting
 from blockdiff.vm.registry import Registry, check_name
-from blockdiff.vm.standby import NOTHING_WRITTEN, Standby
+from blockdiff.vm.standby import Standby
 
 LOCK = "lock"
 CHECKPOINTING = "checkpointing"
@@ -661,17 +661,17 @@ class Sandbox:
         phases = self.last_restore_phases = {}
         image = self.machine.memory_image
 
-        # A standby is its snapshot but where the two snapshots differ: only
-        # there is it rewritten, with no dirty RAM of a dead guest to write
-        # back and map first. ``again``: QEMU ran on the image meanwhile.
+        # A standby or a spare is rewritten only where its extent map differs
+        # from the checkpoint's, with no dirty RAM of a dead guest to write
+        # back first; its lineage alone is never trusted (see
+        # blockdiff.vm.integrity). ``again``: QEMU ran on the image meanwhile.
         def restore_memory(again: bool = False) -> None:
             began = time.monotonic()
-            trusted = bool(self.memory_source) and not again
-            # A standby a restore brought to the checkpoint (Standby.bring)
-            # is there already.
-            if not trusted or self.store.lineage(image) != (memory_snap.id, "clean"):
-                self.store.restore(memory_snap.id, image,
-                                   written=NOTHING_WRITTEN if trusted else None)
+            # A standby this restore brought to the checkpoint (Standby.bring)
+            # is there already, compared.
+            if (self.memory_source != "standby" or again
+                    or self.store.lineage(image) != (memory_snap.id, "clean")):
+                self.store.restore(memory_snap.id, image)
             phases["memory"] = time.monotonic() - began
 
         def restore_disk(written, again: bool = False) -> str:
@@ -890,11 +890,10 @@ class Sandbox:
             # A disk spare brought to the checkpoint at once, beside the
             # memory image's move and QEMU's start: the guest uses its disk
             # only once resumed.
-            disk_ahead = (pool.submit(self._restore_disk, snap, NOTHING_WRITTEN)
+            disk_ahead = (pool.submit(self._restore_disk, snap, None)
                           if start and self.disk_source else None)
             self._resume(snap, memory_snap, timeout, start=start, fresh=True,
-                         progress=progress, disk_ahead=disk_ahead,
-                         written=NOTHING_WRITTEN if self.disk_source else None)
+                         progress=progress, disk_ahead=disk_ahead)
 
     def _new_memory_image(self, memory_snap: Snapshot, standby: Standby | None,
                           spare: bool) -> str:
