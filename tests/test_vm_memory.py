@@ -24,10 +24,12 @@ from pathlib import Path
 import pytest
 import test_vm
 
-from blockdiff.errors import Damaged, VMError
+import filesystems
+from blockdiff.errors import Damaged, NoSpace, VMError
 from blockdiff.store.retention import Policy
+from blockdiff.store.store import Store
 from blockdiff.vm import machine as machine_module
-from blockdiff.vm import qemu
+from blockdiff.vm import qemu, reserve
 from blockdiff.vm.integrity import verify_vms
 from blockdiff.vm.sandbox import MEMORY_KEY, Sandbox
 
@@ -575,6 +577,50 @@ def test_a_byte_flipped_in_the_standby_or_a_spare_is_never_resumed(store, box):
     assert alive(box, pid) and payload_hash(box) == digest
     box.standby.wait()
     assert verify_vms(store) == {} and store.verify() == {}
+
+
+def test_a_full_store_refuses_a_checkpoint_and_never_kills_the_vm(fresh_filesystem, vm_image):
+    # Room for the VM's reserve (its RAM and its 1 GiB disk), its first
+    # checkpoint and its standby's.
+    mnt = fresh_filesystem("xfs", size=2560 * MiB)
+    with Store.init(mnt / "store") as small, \
+            Sandbox.create(small, "box", image=vm_image.rootfs) as box:
+        try:
+            box.start()
+            pid, digest = running_step(box)
+            first = box.checkpoint("first")
+            box.standby.wait()
+            filler = filesystems.fill(mnt)       # the store's filesystem full
+            assert reserve.free_bytes(mnt) < MiB
+            # The guest writes its RAM (pages it had, pages it had not: a
+            # tmpfs file) and its disk, and answers.
+            for i in range(3):
+                run(box, f"rm -f /mnt/ram/more && head -c 8388608 /dev/urandom > /mnt/ram/more"
+                         f" && echo {i} > /written-{i} && sync")
+            assert alive(box, pid) and payload_hash(box) == digest
+            with pytest.raises(NoSpace, match="no space left on .* for a checkpoint of VM box"):
+                box.checkpoint("refused")
+            cli = subprocess.run([sys.executable, "-m", "blockdiff", "vm", "snapshot", "box",
+                                  "--store", str(small.root)],
+                                 capture_output=True, text=True, timeout=120)
+            assert cli.returncode == 1, cli.stderr
+            assert cli.stderr.startswith("blockdiff: error: no space left on ")
+            assert len(cli.stderr.splitlines()) == 1 and "Traceback" not in cli.stderr
+            assert box.machine.running and alive(box, pid) and payload_hash(box) == digest
+            assert [s.message for s in small.log()].count("refused") == 0
+            assert small.verify() == {}
+
+            # Room again: checkpoints and restores as before.
+            os.unlink(filler)
+            second = box.checkpoint("second")
+            assert box.restore(first).memory
+            assert alive(box, pid) and payload_hash(box) == digest
+            assert box.exec("test -e /written-0").status == 1
+            box.restore(second)
+            assert run(box, "cat /written-2") == "2\n" and alive(box, pid)
+            assert small.verify() == {}
+        finally:
+            box._kill()
 
 
 def test_gc_and_rm_take_a_checkpoint_with_its_memory(store, box):

@@ -56,6 +56,7 @@ from blockdiff.progress import NO_PROGRESS, Progress
 from blockdiff.store.catalog import Snapshot
 from blockdiff.store.retention import PART_OF
 from blockdiff.store.store import Store, as_store
+from blockdiff.vm import reserve
 from blockdiff.vm.guestlink import THAW, ExecResult, GuestLink
 from blockdiff.vm.machine import DEFAULT_BOOT_TIMEOUT, Machine, fork_waiting
 from blockdiff.vm.registry import Registry, check_name
@@ -380,7 +381,7 @@ class Sandbox:
         with self._lock(), self.machine.guest() as link:
             # The guest's memory changes: skip_unchanged must not skip the next
             # memory checkpoint.
-            (self.directory / RAN).touch()
+            reserve.note_ran(self.directory / RAN, self.directory / LAST_CHECKPOINT)
             return link.exec(argv, timeout=timeout, stdin=input, cwd=cwd)
 
     def checkpoint(self, message: str = "", meta: dict | None = None,
@@ -415,6 +416,9 @@ class Sandbox:
             start = time.monotonic()
             memory = (memory and self.machine.memory_backed
                       and self.machine.guest_knows_memory_checkpoints())
+            reserve.make_room((self.machine.memory_image, self.disk),
+                              self.machine.ram_bytes * self.machine.memory_backed,
+                              f"a checkpoint of VM {self.name}")
             if skip_unchanged:
                 unchanged = self._unchanged_since_checkpoint(memory)
                 if unchanged is not None:
@@ -431,6 +435,8 @@ class Sandbox:
                 try:
                     snap, memory_snap, pause, memory_capture = self._commit_paused(
                         memory, message, meta, ttl, skip_unchanged and not memory)
+                    # What it stored shares its blocks with the layers now.
+                    reserve.own_blocks((self.machine.memory_image, self.disk), None)
                 finally:
                     if meta["vm.flush"] == FSFREEZE:
                         self._thaw(link, snap, settle=skip_unchanged)
@@ -584,6 +590,7 @@ class Sandbox:
             rebooted = tracked = False
             self.memory_source = ""
             if memory_snap is not None:
+                reserve.ensure_room(self.directory, memory_snap.size, f"restoring VM {self.name}")
                 written = None
                 self.standby.last_bring = {}
                 with ThreadPoolExecutor(2) as pool, contextlib.ExitStack() as finally_:
@@ -712,6 +719,7 @@ class Sandbox:
         else:
             self.machine.launch(timeout, incoming=True, hot=self._hot_memory(memory_snap.id),
                                 mark=restore())
+        reserve.own_in_background((image, self.disk))
         if not fresh:
             # For the next restore or fork, while the guest runs.
             self.standby.prepare(memory_snap.id, snap.id, then=self._start_waiting)
@@ -870,6 +878,7 @@ class Sandbox:
         its standby, or empty) and resumed from checkpoint ``snap`` with
         memory ``memory_snap`` (see ``from_checkpoint``)."""
         self._check_machine(snap, memory_snap, self.machine)
+        reserve.ensure_room(self.directory, memory_snap.size, f"a fork of VM {self.name}")
         given = (False, False)
         if standby is not None:
             # A pair a QEMU waits on first: one just made anew may have
