@@ -588,6 +588,7 @@ def test_a_full_store_refuses_a_checkpoint_and_never_kills_the_vm(fresh_filesyst
         try:
             box.start()
             pid, digest = running_step(box)
+            run(box, "head -c 1048576 /dev/urandom > /data && sync")
             first = box.checkpoint("first")
             box.standby.wait()
             filler = filesystems.fill(mnt)       # the store's filesystem full
@@ -596,7 +597,8 @@ def test_a_full_store_refuses_a_checkpoint_and_never_kills_the_vm(fresh_filesyst
             # tmpfs file) and its disk, and answers.
             for i in range(3):
                 run(box, f"rm -f /mnt/ram/more && head -c 8388608 /dev/urandom > /mnt/ram/more"
-                         f" && echo {i} > /written-{i} && sync")
+                         f" && head -c 65536 /dev/urandom > /written-{i} && sync")
+            written = run(box, "sha256sum /mnt/ram/more /written-2")
             assert alive(box, pid) and payload_hash(box) == digest
             with pytest.raises(NoSpace, match="no space left on .* for a checkpoint of VM box"):
                 box.checkpoint("refused")
@@ -612,12 +614,16 @@ def test_a_full_store_refuses_a_checkpoint_and_never_kills_the_vm(fresh_filesyst
 
             # Room again: checkpoints and restores as before.
             os.unlink(filler)
+            run(box, "dd if=/dev/urandom of=/data bs=4096 count=256 conv=notrunc 2>/dev/null")
+            on_disk = run(box, "sha256sum /data").split()[0]
             second = box.checkpoint("second")
             assert box.restore(first).memory
             assert alive(box, pid) and payload_hash(box) == digest
-            assert box.exec("test -e /written-0").status == 1
+            assert run(box, "sha256sum /data").split()[0] != on_disk
             box.restore(second)
-            assert run(box, "cat /written-2") == "2\n" and alive(box, pid)
+            assert run(box, "sha256sum /data").split()[0] == on_disk
+            assert run(box, "sha256sum /mnt/ram/more /written-2") == written
+            assert alive(box, pid)
             assert small.verify() == {}
         finally:
             box._kill()

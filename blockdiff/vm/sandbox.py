@@ -416,7 +416,7 @@ class Sandbox:
             start = time.monotonic()
             memory = (memory and self.machine.memory_backed
                       and self.machine.guest_knows_memory_checkpoints())
-            reserve.make_room((self.machine.memory_image, self.disk),
+            reserve.make_room(self.machine.memory_image,
                               self.machine.ram_bytes * self.machine.memory_backed,
                               f"a checkpoint of VM {self.name}")
             if skip_unchanged:
@@ -436,7 +436,7 @@ class Sandbox:
                     snap, memory_snap, pause, memory_capture = self._commit_paused(
                         memory, message, meta, ttl, skip_unchanged and not memory)
                     # What it stored shares its blocks with the layers now.
-                    reserve.own_blocks((self.machine.memory_image, self.disk), None)
+                    reserve.own_vm_files(self.machine.memory_image, self.disk)
                 finally:
                     if meta["vm.flush"] == FSFREEZE:
                         self._thaw(link, snap, settle=skip_unchanged)
@@ -719,7 +719,7 @@ class Sandbox:
         else:
             self.machine.launch(timeout, incoming=True, hot=self._hot_memory(memory_snap.id),
                                 mark=restore())
-        reserve.own_in_background((image, self.disk))
+        reserve.own_in_background(image, self.disk)
         if not fresh:
             # For the next restore or fork, while the guest runs.
             self.standby.prepare(memory_snap.id, snap.id, then=self._start_waiting)
