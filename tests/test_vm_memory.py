@@ -580,9 +580,9 @@ def test_a_byte_flipped_in_the_standby_or_a_spare_is_never_resumed(store, box):
 
 
 def test_a_full_store_refuses_a_checkpoint_and_never_kills_the_vm(fresh_filesystem, vm_image):
-    # Room for the VM's reserve (its RAM and its 1 GiB disk), its first
-    # checkpoint and its standby's.
-    mnt = fresh_filesystem("xfs", size=2560 * MiB)
+    # Room for the VM's reserve (its RAM, and its 1 GiB disk while that
+    # leaves the filesystem half free), its first checkpoint and its standby.
+    mnt = fresh_filesystem("xfs", size=3584 * MiB)
     with Store.init(mnt / "store") as small, \
             Sandbox.create(small, "box", image=vm_image.rootfs) as box:
         try:

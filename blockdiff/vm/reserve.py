@@ -13,9 +13,9 @@ resumed. So while a VM runs, its memory image holds blocks of its own for
 every byte (``own_blocks``: shared blocks copied, holes allocated, by
 ``fallocate(FALLOC_FL_UNSHARE_RANGE)``), which the guest then writes in
 place whatever else fills the filesystem: that space, the RAM's size, is
-the VM's reserve. Its disk is given the same where the filesystem has the
-room to spare (``own_disk``): a sandbox disk is mostly never written, and
-its whole size is a lot to hold for it.
+the VM's reserve. Its disk is given the same where the filesystem stays
+half free (``own_disk``): a sandbox disk is mostly never written, and its
+whole size is a lot to hold for it.
 
 - A boot gives the memory image its blocks before QEMU starts (a new one
   is a hole: allocating it is metadata only), and is refused if the room
@@ -38,7 +38,7 @@ its whole size is a lot to hold for it.
 What is left: another process filling the filesystem within the moments
 between a check and the copy can take room the guest needed (the next
 checkpoint then finds the memory image short, and is refused); a disk
-without its own blocks (no room to spare) stops the VM on a write that
+without its own blocks (a filesystem more than half full) stops the VM on a write that
 finds the filesystem full (QEMU's ``werror=enospc``) rather than kill it;
 and a guest that discards disk blocks (TRIM) gives their room back to the
 filesystem.
@@ -106,9 +106,10 @@ def own_vm_files(image: Path, disk: Path, stop: threading.Event | None = None) -
 
 def own_disk(image: Path, disk: Path, stop: threading.Event | None = None) -> None:
     """Give the disk of the VM whose memory image is ``image`` blocks of its
-    own for every byte, where that leaves the room its next checkpoint
-    needs (``ensure_room``): a disk's reserve is the room to spare, as a
-    sandbox disk is mostly never written (it is its whole size)."""
+    own for every byte, where that leaves half the filesystem free and the
+    room its next checkpoint needs (``ensure_room``): a sandbox disk is
+    mostly never written, and holding its whole size for every VM would
+    fill the store (and leave no room for what it writes)."""
     try:
         fd = os.open(disk, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
@@ -117,7 +118,9 @@ def own_disk(image: Path, disk: Path, stop: threading.Event | None = None) -> No
         wanted = sum(length for _, length in _not_owned(fd, disk))
     finally:
         os.close(fd)
-    if free_bytes(disk.parent) - wanted >= _size(image) + DISK_HEADROOM:
+    st = os.statvfs(disk.parent)
+    spare = free_bytes(disk.parent) - wanted
+    if spare >= max(_size(image) + DISK_HEADROOM, st.f_blocks * st.f_frsize // 2):
         own_blocks((disk,), None, stop)
 
 
