@@ -106,10 +106,11 @@ def own_vm_files(image: Path, disk: Path, stop: threading.Event | None = None) -
 
 def own_disk(image: Path, disk: Path, stop: threading.Event | None = None) -> None:
     """Give the disk of the VM whose memory image is ``image`` blocks of its
-    own for every byte, where that leaves half the filesystem free and the
-    room its next checkpoint needs (``ensure_room``): a sandbox disk is
-    mostly never written, and holding its whole size for every VM would
-    fill the store (and leave no room for what it writes)."""
+    own for every byte, where that leaves the room its next checkpoint
+    needs (``ensure_room``) and, unless the disk holds its own blocks but
+    for what a checkpoint shared (less than ``DISK_HEADROOM``), half the
+    filesystem free: a sandbox disk is mostly never written, and holding
+    its whole size for every VM would fill the store."""
     try:
         fd = os.open(disk, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
@@ -120,7 +121,8 @@ def own_disk(image: Path, disk: Path, stop: threading.Event | None = None) -> No
         os.close(fd)
     st = os.statvfs(disk.parent)
     spare = free_bytes(disk.parent) - wanted
-    if spare >= max(_size(image) + DISK_HEADROOM, st.f_blocks * st.f_frsize // 2):
+    half = st.f_blocks * st.f_frsize // 2 if wanted >= DISK_HEADROOM else 0
+    if spare >= max(_size(image) + DISK_HEADROOM, half):
         own_blocks((disk,), None, stop)
 
 
@@ -131,16 +133,14 @@ def _size(path: Path) -> int:
         return 0
 
 
-def own_blocks(paths, doing: str | None, stop: threading.Event | None = None,
-               ranges: list[tuple[int, int]] | None = None) -> None:
+def own_blocks(paths, doing: str | None, stop: threading.Event | None = None) -> None:
     """Give each file in ``paths`` (a VM's memory image, its disk) blocks of
     its own for every byte (see the module's docstring); ``NoSpace`` if the
     filesystem has not the room for ``doing``, or with ``doing`` None, the
     files left sharing what they could not be given (the next ``make_room``
     asks again). ``stop``: set, it stops between two pieces (a file renamed
-    away, by a restore's swap, is left at once). ``ranges``: ``(offset,
-    length)`` of the only ranges to give their own (holes and all). A
-    filesystem without reflink shares no blocks, and is left as it is."""
+    away, by a restore's swap, is left at once). A filesystem without
+    reflink shares no blocks, and is left as it is."""
     for path in paths:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -148,8 +148,7 @@ def own_blocks(paths, doing: str | None, stop: threading.Event | None = None,
             continue    # a VM whose RAM is not a file
         try:
             inode = os.fstat(fd).st_ino
-            for offset, length in (_not_owned(fd, path) if ranges is None
-                                   else _pieces(ranges)):
+            for offset, length in _not_owned(fd, path):
                 if stop is not None and (stop.is_set() or os.stat(path).st_ino != inode):
                     return
                 native.unshare_range(fd, offset, length, path)
@@ -188,12 +187,7 @@ def _not_owned(fd: int, path) -> list[tuple[int, int]]:
             merged[-1] = (merged[-1][0], merged[-1][1] + length)
         else:
             merged.append((offset, length))
-    return _pieces(merged)
-
-
-def _pieces(ranges) -> list[tuple[int, int]]:
-    """Ranges cut into pieces of at most ``PIECE`` bytes."""
-    return [(at, min(PIECE, offset + length - at)) for offset, length in ranges
+    return [(at, min(PIECE, offset + length - at)) for offset, length in merged
             for at in range(offset, offset + length, PIECE)]
 
 
