@@ -298,6 +298,27 @@ def fsync(fd: int, path: str | os.PathLike) -> None:
     _check(lib.bd_fsync(fd), path)
 
 
+FALLOC_FL_UNSHARE_RANGE = 0x40   # <linux/falloc.h>
+_libc = None
+
+
+def unshare_range(fd: int, offset: int, length: int, path: str | os.PathLike) -> None:
+    """Give a file blocks of its own over a range: blocks it shares (reflinked)
+    copied, holes allocated (``fallocate(FALLOC_FL_UNSHARE_RANGE)``), so that
+    no later write there needs free space. ``OSError``: ENOSPC when the
+    filesystem has not the room, EOPNOTSUPP where it has no reflink."""
+    global _libc
+    if _libc is None:
+        import ctypes  # the C core has no fallocate with modes; glibc has
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64,
+                                    ctypes.c_int64)
+    if _libc.fallocate(fd, FALLOC_FL_UNSHARE_RANGE, offset, length) != 0:
+        import ctypes
+        number = ctypes.get_errno()
+        raise OSError(number, os.strerror(number), os.fspath(path))
+
+
 def write_out(fd: int, path: str | os.PathLike, offset: int = 0, length: int = 0) -> None:
     """Write a file's dirty pages out and wait until they are: on XFS its
     extent map is then final (a copy-on-write is remapped before the page

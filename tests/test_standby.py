@@ -29,7 +29,6 @@ from blockdiff.store.store import Store
 from blockdiff.vm import standby as standby_module
 from blockdiff.vm.spares_worker import HeldAgainstStops
 from blockdiff.vm.standby import (
-    NOTHING_WRITTEN,
     SPARES_WORKER,
     STANDBY_LOCK,
     STOP_WAIT,
@@ -124,7 +123,7 @@ def test_a_standby_is_built_moved_taken_and_prepared_again(store, xfs):
     assert standby.copy_to(fork, SIZE, c.id)
     assert digest(fork) == c_hash and store.lineage(fork) == (c.id, "clean")
     assert stat.S_IMODE(os.stat(fork).st_mode) == 0o600
-    assert store.restore(a.id, fork, written=NOTHING_WRITTEN).tracked
+    assert store.restore(a.id, fork).bytes < SIZE      # only where it differs
     assert digest(fork) == a_hash and digest(standby.path) == c_hash
     fork.unlink()
     small = empty(vm / "small.img", SIZE - PAGE)
@@ -141,9 +140,10 @@ def test_a_standby_is_built_moved_taken_and_prepared_again(store, xfs):
     # The old image is the standby now, trusted by nobody until prepared.
     assert digest(standby.path) == dead and store.lineage(standby.path) == (None, "")
     assert not standby.take(vm / "other.img", SIZE)
-    # What a restore then does: only where c and b differ is rewritten.
-    result = store.restore(b.id, image, written=NOTHING_WRITTEN)
-    assert result.tracked and digest(image) == b_hash
+    # What a restore then does: only where its extents and b's differ is
+    # rewritten.
+    result = store.restore(b.id, image)
+    assert result.bytes < SIZE and digest(image) == b_hash
 
     standby.prepare(a.id)        # the old image compared whole
     standby.wait()
@@ -188,7 +188,7 @@ def test_forks_take_the_spares_which_are_then_made_anew(store, xfs):
     assert not memory.give(fork / "other.img", SIZE)                  # none left
     for image in ("memory.img", "disk.img"):
         assert store.lineage(fork / image) == (c.id, "clean")
-        assert store.restore(a.id, fork / image, written=NOTHING_WRITTEN).tracked
+        assert store.restore(a.id, fork / image).bytes < SIZE
         assert digest(fork / image) == a_hash
     assert digest(standby.path) == c_hash                            # the standby stays
 
@@ -260,7 +260,7 @@ def test_forks_in_a_row_take_a_pair_each_and_only_the_pairs_taken_are_made_anew(
     # Each one given restores to any snapshot, rewriting only what differs.
     for name in ("m1", "d1", "m2", "d2", "m3", "d3", "m6", "d6", "d7"):
         assert store.lineage(fork / name)[1] == "clean"
-        assert store.restore(b.id, fork / name, written=NOTHING_WRITTEN).tracked
+        assert store.restore(b.id, fork / name).bytes < SIZE
         assert digest(fork / name) == b_hash
     assert not [p.name for p in vm.iterdir() if p.name.startswith(".")]
 
@@ -305,15 +305,42 @@ def test_spares_moved_beside_a_removal_never_give_wrong_bytes(store, xfs):
     assert not failed
     for n, spare in enumerate(spares(standby)):
         image = xfs / f"fork{n}.img"
-        if spare.give(image, SIZE):
-            known, _ = store.lineage(image)
-            written = NOTHING_WRITTEN if known else None
-        else:
-            written = None
+        if not spare.give(image, SIZE):
             empty(image)
-        store.restore(keep[0].id, image, written=written)
+        store.restore(keep[0].id, image)
         assert digest(image) == keep[1]
     assert store.verify() == {}
+
+
+def test_bytes_written_to_the_standby_or_a_spare_are_never_handed_back(store, xfs):
+    """A disk error, another process or an operator writes the standby and
+    the spares behind their lineage's back: a restore's ``bring`` and a
+    fork's restore of a spare rewrite what their extents say was written,
+    from the layers, and give the snapshot byte for byte."""
+    rnd = random.Random(21)
+    standby, ((a, _), (b, b_hash)) = prepared_at_first(store, xfs, rnd, 2)
+    copies = [standby.path] + [spare.path for spare in spares(standby)]
+    for path in copies:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            for page in (0, PAGES // 2, PAGES - 1):       # in data and in holes
+                at = page * PAGE + rnd.randrange(PAGE)
+                os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x10]), at)
+        finally:
+            os.close(fd)
+        assert store.lineage(path) == (a.id, "clean")     # which vouches for nothing
+        assert store.unlike(a.id, path) >= 3 * PAGE
+
+    image = standby.path.with_name("memory.img")
+    assert standby.bring(b.id)
+    assert standby.take(image, SIZE) and digest(image) == b_hash
+    fork = xfs / "fork"
+    fork.mkdir()
+    for n, spare in enumerate(spares(standby)):
+        assert spare.give(fork / f"{n}.img", SIZE)
+        store.restore(b.id, fork / f"{n}.img")
+        assert digest(fork / f"{n}.img") == b_hash
+        assert store.unlike(b.id, fork / f"{n}.img") == 0
 
 
 def test_a_standby_brought_stays_locked_until_taken_or_released(store, xfs):
@@ -750,13 +777,15 @@ def test_a_standby_that_cannot_be_trusted_is_not_taken(store, xfs):
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1),
        steps=st.lists(st.tuples(st.sampled_from(["prepare", "restore", "checkpoint", "fork",
-                                                 "spares"]),
+                                                 "spares", "damage"]),
                                 st.integers(0, 5)), min_size=1, max_size=12))
 def test_restores_through_the_standby_always_give_the_snapshot(store, xfs, seed, steps):
     """Random checkpoints, restores, forks and preparations of a VM's memory
-    image, the guest writing it between them, as a sandbox does: every
-    restore through the standby, and every fork through a spare or a copy
-    of the standby, gives its snapshot byte for byte."""
+    image, the guest writing it between them, as a sandbox does, and bytes
+    of the standby or a spare written behind their backs (a disk error,
+    another process): every restore through the standby, and every fork
+    through a spare or a copy of the standby, gives its snapshot byte for
+    byte."""
     rnd = random.Random(seed)
     vm = Path(tempfile.mkdtemp(dir=xfs))
     standby = Standby(store, vm)
@@ -777,16 +806,23 @@ def test_restores_through_the_standby_always_give_the_snapshot(store, xfs, seed,
         elif op == "checkpoint":
             scribble(image, rnd, rnd.randint(1, 10))
             taken.append((store.commit(image), digest(image)))
+        elif op == "damage":
+            there = [p for p in [standby.path] + [x.path for x in spares(standby)] if p.exists()]
+            if there:
+                fd = os.open(rnd.choice(there), os.O_RDWR)
+                try:
+                    at = rnd.randrange(SIZE)
+                    os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 1 << rnd.randrange(8)]), at)
+                finally:
+                    os.close(fd)
         elif op == "fork":
             fork, disk = vm / "fork.img", empty(vm / "disk.img")
-            memory_given, disk_given = standby.give_spares(fork, SIZE, disk, SIZE)
-            if memory_given:
-                written = NOTHING_WRITTEN
-            else:
+            memory_given, _ = standby.give_spares(fork, SIZE, disk, SIZE)
+            if not memory_given:
                 empty(fork)
-                written = NOTHING_WRITTEN if standby.copy_to(fork, SIZE, snap.id) else None
-            store.restore(snap.id, fork, written=written)
-            store.restore(snap.id, disk, written=NOTHING_WRITTEN if disk_given else None)
+                standby.copy_to(fork, SIZE, snap.id)
+            store.restore(snap.id, fork)
+            store.restore(snap.id, disk)
             assert digest(fork) == want and digest(disk) == want
             fork.unlink()
             disk.unlink()
@@ -795,7 +831,14 @@ def test_restores_through_the_standby_always_give_the_snapshot(store, xfs, seed,
                 standby.wait()
                 assert standby.spares_failure is None
         else:
-            written = NOTHING_WRITTEN if standby.take(image, SIZE) else None
-            store.restore(snap.id, image, written=written)
+            # As a sandbox's restore does: the standby brought while QEMU
+            # stops, taken, and the image restored unless it was brought.
+            standby.bring(snap.id)
+            try:
+                if (not standby.take(image, SIZE)
+                        or store.lineage(image) != (snap.id, "clean")):
+                    store.restore(snap.id, image)
+            finally:
+                standby.release()
             assert digest(image) == want
             scribble(image, rnd, rnd.randint(0, 10))   # the guest runs on

@@ -11,6 +11,7 @@ that two forks do not share.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import signal
 import stat
@@ -23,10 +24,13 @@ from pathlib import Path
 import pytest
 import test_vm
 
-from blockdiff.errors import Damaged, VMError
+import filesystems
+from blockdiff.errors import Damaged, NoSpace, VMError
 from blockdiff.store.retention import Policy
+from blockdiff.store.store import Store
 from blockdiff.vm import machine as machine_module
-from blockdiff.vm import qemu
+from blockdiff.vm import qemu, reserve
+from blockdiff.vm.integrity import verify_vms
 from blockdiff.vm.sandbox import MEMORY_KEY, Sandbox
 
 # The VM tests' image and store, where pytest looks for fixtures.
@@ -518,6 +522,111 @@ def test_saving_the_device_state_leaves_guest_ram_as_it_is(store, box):
                 machine.resume()
         assert len(state) > 100_000
         assert before == after, k
+
+
+def flip_copies(path: Path, data: bytes) -> int:
+    """One byte flipped in every page-aligned copy of ``data`` that the
+    image at ``path`` holds (a disk error, another process): how many."""
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        flipped, at = 0, m.find(data)
+        while at >= 0:
+            if at % 4096 == 0:
+                m[at + 100] ^= 0xFF
+                flipped += 1
+            at = m.find(data, at + 1)
+        m.flush()
+    return flipped
+
+
+def test_a_byte_flipped_in_the_standby_or_a_spare_is_never_resumed(store, box):
+    pid, digest = running_step(box)
+    run(box, "head -c 8192 /dev/urandom > /on-disk && sync")
+    on_disk = run(box, "sha256sum /on-disk").split()[0]
+    first = box.checkpoint("first")
+    page = box.exec("head -c 4096 /mnt/ram/payload").stdout
+    block = box.exec("head -c 4096 /on-disk").stdout
+    run(box, "echo later > /later")
+    box.checkpoint("second")
+    box.standby.wait()      # the standby and both pairs of spares at "second"
+    copies = [box.standby.path] + [pair.memory.path for pair in box.standby.pairs]
+    for path in copies:
+        assert flip_copies(path, page)
+    disks = [pair.disk.path for pair in box.standby.pairs]
+    for path in disks:
+        assert flip_copies(path, block)
+
+    # verify names each copy; the store's own layers are intact.
+    assert store.verify() == {}
+    found = verify_vms(store)["vm box"]
+    assert sorted(p.split(":")[0] for p in found) == sorted(p.name for p in copies + disks)
+    cli = subprocess.run([sys.executable, "-m", "blockdiff", "verify", "--store",
+                          str(store.root)], capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 7 and "vm box: memory.standby:" in cli.stderr, cli.stderr
+
+    # A fork takes a pair of spares at "second", brought to "first" where
+    # the two differ and where the spares' extents are not their snapshot's.
+    fork = box.fork(first, "fork")
+    try:
+        assert (fork.memory_source, fork.disk_source) == ("spare", "spare")
+        assert alive(fork, pid) and payload_hash(fork) == digest
+        assert run(fork, "sha256sum /on-disk").split()[0] == on_disk
+    finally:
+        fork.destroy()
+    # A restore takes the standby, brought to "first" the same way.
+    assert box.restore(first).standby
+    assert alive(box, pid) and payload_hash(box) == digest
+    box.standby.wait()
+    assert verify_vms(store) == {} and store.verify() == {}
+
+
+def test_a_full_store_refuses_a_checkpoint_and_never_kills_the_vm(fresh_filesystem, vm_image):
+    # Room for the VM's reserve (its RAM, and its 1 GiB disk while that
+    # leaves the filesystem half free), its first checkpoint and its standby.
+    mnt = fresh_filesystem("xfs", size=3584 * MiB)
+    with Store.init(mnt / "store") as small, \
+            Sandbox.create(small, "box", image=vm_image.rootfs) as box:
+        try:
+            box.start()
+            pid, digest = running_step(box)
+            run(box, "head -c 1048576 /dev/urandom > /data && sync")
+            first = box.checkpoint("first")
+            box.standby.wait()
+            filler = filesystems.fill(mnt)       # the store's filesystem full
+            assert reserve.free_bytes(mnt) < MiB
+            # The guest writes its RAM (pages it had, pages it had not: a
+            # tmpfs file) and its disk, and answers.
+            for i in range(3):
+                run(box, f"rm -f /mnt/ram/more && head -c 8388608 /dev/urandom > /mnt/ram/more"
+                         f" && head -c 65536 /dev/urandom > /written-{i} && sync")
+            written = run(box, "sha256sum /mnt/ram/more /written-2")
+            assert alive(box, pid) and payload_hash(box) == digest
+            with pytest.raises(NoSpace, match="no space left on .* for a checkpoint of VM box"):
+                box.checkpoint("refused")
+            cli = subprocess.run([sys.executable, "-m", "blockdiff", "vm", "snapshot", "box",
+                                  "--store", str(small.root)],
+                                 capture_output=True, text=True, timeout=120)
+            assert cli.returncode == 1, cli.stderr
+            assert cli.stderr.startswith("blockdiff: error: no space left on ")
+            assert len(cli.stderr.splitlines()) == 1 and "Traceback" not in cli.stderr
+            assert box.machine.running and alive(box, pid) and payload_hash(box) == digest
+            assert [s.message for s in small.log()].count("refused") == 0
+            assert small.verify() == {}
+
+            # Room again: checkpoints and restores as before.
+            os.unlink(filler)
+            run(box, "dd if=/dev/urandom of=/data bs=4096 count=256 conv=notrunc 2>/dev/null")
+            on_disk = run(box, "sha256sum /data").split()[0]
+            second = box.checkpoint("second")
+            assert box.restore(first).memory
+            assert alive(box, pid) and payload_hash(box) == digest
+            assert run(box, "sha256sum /data").split()[0] != on_disk
+            box.restore(second)
+            assert run(box, "sha256sum /data").split()[0] == on_disk
+            assert run(box, "sha256sum /mnt/ram/more /written-2") == written
+            assert alive(box, pid)
+            assert small.verify() == {}
+        finally:
+            box._kill()
 
 
 def test_gc_and_rm_take_a_checkpoint_with_its_memory(store, box):

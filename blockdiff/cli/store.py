@@ -310,15 +310,18 @@ def gc(store_path, keep_last, keep_within, cache_size, dry_run, as_json):
                    "layers by the object store's (checked first), then check again.")
 @json_option
 def verify(store_path, snapshot_id, repair, as_json):
-    """Check the catalog and every checksum (of ID, or of every snapshot).
+    """Check the catalog and every checksum (of ID, or of every snapshot),
+    and the VMs' standby images and spares (those of ID).
 
-    Exits non-zero (7) and names each damaged snapshot on stderr.
+    Exits non-zero (7) and names each damaged snapshot (or VM) on stderr.
 
     \b
     Example:
       blockdiff verify --store S
       blockdiff verify --store S --repair
     """
+    from blockdiff.vm.integrity import verify_vms
+
     fetched = []
     with open_store(store_path) as store, progress_bar("verify", as_json=as_json) as progress:
         if repair:
@@ -326,6 +329,7 @@ def verify(store_path, snapshot_id, repair, as_json):
             problems, fetched = done.problems, done.fetched_again
         else:
             problems = store.verify(snapshot_id, progress=progress)
+        problems |= verify_vms(store, store.resolve(snapshot_id) if snapshot_id else None)
     if as_json:
         emit_json({"consistent": not problems, "problems": problems}
                   | ({"fetched_again": fetched} if repair else {}))

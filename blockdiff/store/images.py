@@ -732,6 +732,10 @@ def _restore_in_place(store: StoreState, snapshot_id: str, image: str,
             current = ExtentMap.of_file(fd, image, sync=False)  # written out above
             differ = changed_ranges(target_extents, current, BLOCK)
             starts, ends = differ.offset, differ.offset + differ.length
+            if not len(starts) and (known, state, size) == (snap.id, "clean", snap.size):
+                # Already the snapshot, by its extents: nothing to write or
+                # make durable (a VM's spare at its fork's checkpoint).
+                return RestoreResult(snap.id, image, 0, 0, forked=False)
         # Within the ranges that differ, the snapshot's pieces are cloned
         # in and the rest, its zeros, punched; checked before anything is.
         pieces, (hole_start, hole_end) = pieces_within(smap.pieces, starts, ends)
@@ -751,6 +755,31 @@ def _restore_in_place(store: StoreState, snapshot_id: str, image: str,
     return RestoreResult(snap.id, image, len(starts), int((ends - starts).sum()),
                          forked=False, tracked=tracked, checked_bytes=checked,
                          fetched_bytes=fetched)
+
+
+def unlike(store: StoreState, snapshot_id: str, image: str | os.PathLike) -> int | None:
+    """Bytes of ``image`` (a copy of the snapshot that no one should write:
+    a VM's standby or spare) whose extents are not the snapshot's: written
+    since, or never the snapshot's (compared as an in-place restore does;
+    see blockdiff.store.views). None where no extent map of the snapshot
+    holds on this host (a restore then rewrites the image whole)."""
+    image = os.fspath(image)
+    if store.copy_mode:
+        return None     # no shared blocks: extents say nothing of contents
+    with store.lock.shared():
+        snap = store.get(snapshot_id)
+        target = host_extents(store, snap)
+        if target is None:
+            return None
+        fd = os.open(image, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            native.write_out(fd, image)   # its extent map final
+            current = ExtentMap.of_file(fd, image, sync=False)
+        finally:
+            os.close(fd)
+    if current.size != snap.size:
+        return max(current.size, snap.size)
+    return int(changed_ranges(target, current, BLOCK).length.sum())
 
 
 @contextlib.contextmanager

@@ -490,6 +490,13 @@ class Store(StoreState):
             self._keep_cache()
         return result
 
+    def unlike(self, snapshot_id: str, image: str | os.PathLike) -> int | None:
+        """Bytes of ``image``, a copy of the snapshot nothing should write,
+        that are not the snapshot's by their extents (one FIEMAP, no data
+        read); None where this host cannot tell (no extent map of the
+        snapshot holds here)."""
+        return images.unlike(self, snapshot_id, image)
+
     # ------------------------------------------------------------ transfer
 
     def export(self, snapshot_id: str, out: str | os.PathLike, since: str | None = None, *,

@@ -83,6 +83,7 @@ from blockdiff.vm.qemu import (
     runtime_names,
 )
 from blockdiff.vm.registry import KERNEL_FILES, VMEntry
+from blockdiff.vm.reserve import own_blocks, own_disk
 from blockdiff.vm.tracking import TRACKING, DirtyTracking, Generation
 
 DEFAULT_BOOT_TIMEOUT = 120.0
@@ -275,6 +276,8 @@ class Machine:
             fd = self._sized_memory_image(fresh=not incoming)
             try:
                 if not incoming:
+                    own_blocks((self.memory_image,), f"booting VM {name}")   # vm.reserve
+                    own_disk(self.memory_image, self.vm.disk)
                     with contextlib.suppress(OSError):   # only slower checkpoints
                         warm_page_cache(fd, self.ram_bytes)
             finally:

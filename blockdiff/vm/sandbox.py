@@ -57,13 +57,13 @@ from blockdiff.progress import NO_PROGRESS, Progress
 from blockdiff.store.catalog import Snapshot
 from blockdiff.store.retention import PART_OF
 from blockdiff.store.store import Store, as_store
-from blockdiff.vm import intents, recovery
+from blockdiff.vm import intents, recovery, reserve
 from blockdiff.vm.guestlink import THAW, ExecResult, GuestLink
 from blockdiff.vm.intents import CHECKPOINT, FORK, RESTORE, START, crash_point
 from blockdiff.vm.machine import DEFAULT_BOOT_TIMEOUT, Machine, fork_waiting
 from blockdiff.vm.recovery import VMStatus
 from blockdiff.vm.registry import Registry, check_name
-from blockdiff.vm.standby import NOTHING_WRITTEN, Standby
+from blockdiff.vm.standby import Standby
 
 LOCK = intents.LOCK
 LAST_CHECKPOINT = "last-checkpoint.json"
@@ -366,7 +366,7 @@ class Sandbox:
         with self._lock(), self.machine.guest() as link:
             # The guest's memory changes: skip_unchanged must not skip the next
             # memory checkpoint.
-            (self.directory / RAN).touch()
+            reserve.note_ran(self.directory / RAN, self.directory / LAST_CHECKPOINT)
             return link.exec(argv, timeout=timeout, stdin=input, cwd=cwd)
 
     def checkpoint(self, message: str = "", meta: dict | None = None,
@@ -401,6 +401,9 @@ class Sandbox:
             start = time.monotonic()
             memory = (memory and self.machine.memory_backed
                       and self.machine.guest_knows_memory_checkpoints())
+            reserve.make_room(self.machine.memory_image,
+                              self.machine.ram_bytes * self.machine.memory_backed,
+                              f"a checkpoint of VM {self.name}")
             if skip_unchanged:
                 unchanged = self._unchanged_since_checkpoint(memory)
                 if unchanged is not None:
@@ -418,6 +421,8 @@ class Sandbox:
                 try:
                     snap, memory_snap, pause, memory_capture = self._commit_paused(
                         memory, message, meta, ttl, skip_unchanged and not memory)
+                    # What it stored shares its blocks with the layers now.
+                    reserve.own_vm_files(self.machine.memory_image, self.disk)
                 finally:
                     if meta["vm.flush"] == FSFREEZE:
                         self._thaw(link, snap, settle=skip_unchanged)
@@ -576,6 +581,7 @@ class Sandbox:
             rebooted = tracked = False
             self.memory_source = ""
             if memory_snap is not None:
+                reserve.ensure_room(self.directory, memory_snap.size, f"restoring VM {self.name}")
                 written = None
                 self.standby.last_bring = {}
                 with ThreadPoolExecutor(2) as pool, contextlib.ExitStack() as finally_:
@@ -656,17 +662,17 @@ class Sandbox:
         phases = self.last_restore_phases = {}
         image = self.machine.memory_image
 
-        # A standby is its snapshot but where the two snapshots differ: only
-        # there is it rewritten, with no dirty RAM of a dead guest to write
-        # back and map first. ``again``: QEMU ran on the image meanwhile.
+        # A standby or a spare is rewritten only where its extent map differs
+        # from the checkpoint's, with no dirty RAM of a dead guest to write
+        # back first; its lineage alone is never trusted (see
+        # blockdiff.vm.integrity). ``again``: QEMU ran on the image meanwhile.
         def restore_memory(again: bool = False) -> None:
             began = time.monotonic()
-            trusted = bool(self.memory_source) and not again
-            # A standby a restore brought to the checkpoint (Standby.bring)
-            # is there already.
-            if not trusted or self.store.lineage(image) != (memory_snap.id, "clean"):
-                self.store.restore(memory_snap.id, image,
-                                   written=NOTHING_WRITTEN if trusted else None)
+            # A standby this restore brought to the checkpoint (Standby.bring)
+            # is there already, compared.
+            if (self.memory_source != "standby" or again
+                    or self.store.lineage(image) != (memory_snap.id, "clean")):
+                self.store.restore(memory_snap.id, image)
             phases["memory"] = time.monotonic() - began
 
         def restore_disk(written, again: bool = False) -> str:
@@ -707,6 +713,7 @@ class Sandbox:
         else:
             self.machine.launch(timeout, incoming=True, hot=self._hot_memory(memory_snap.id),
                                 mark=restore())
+        reserve.own_in_background(image, self.disk)
         if not fresh:
             # For the next restore or fork, while the guest runs.
             self.standby.prepare(memory_snap.id, snap.id, then=self._start_waiting)
@@ -854,6 +861,7 @@ class Sandbox:
         its standby, or empty) and resumed from checkpoint ``snap`` with
         memory ``memory_snap`` (see ``from_checkpoint``)."""
         self._check_machine(snap, memory_snap, self.machine)
+        reserve.ensure_room(self.directory, memory_snap.size, f"a fork of VM {self.name}")
         given = (False, False)
         if standby is not None:
             # A pair a QEMU waits on first: one just made anew may have
@@ -875,11 +883,10 @@ class Sandbox:
             # A disk spare brought to the checkpoint at once, beside the
             # memory image's move and QEMU's start: the guest uses its disk
             # only once resumed.
-            disk_ahead = (pool.submit(self._restore_disk, snap, NOTHING_WRITTEN)
+            disk_ahead = (pool.submit(self._restore_disk, snap, None)
                           if start and self.disk_source else None)
             self._resume(snap, memory_snap, timeout, start=start, fresh=True,
-                         progress=progress, disk_ahead=disk_ahead,
-                         written=NOTHING_WRITTEN if self.disk_source else None)
+                         progress=progress, disk_ahead=disk_ahead)
 
     def _new_memory_image(self, memory_snap: Snapshot, standby: Standby | None,
                           spare: bool) -> str:

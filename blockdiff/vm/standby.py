@@ -8,10 +8,13 @@ its last checkpoint: bytes the restore then throws away, at about a
 millisecond per dirty MiB, scattered (some 40 ms after a small step, far more
 after a large one). No guest runs on the standby, so nothing writes it: its
 extent map is its snapshot's, and bringing it to another snapshot rewrites
-only where the two snapshots' extent maps differ, with nothing to write
-back or map first. (The QEMUs that map it and the spares, started ahead for
-the next restore or fork, wait for a device state, and neither read nor
-write guest RAM before they have one: see ``Machine.start_waiting``.)
+only where its extent map differs from the other snapshot's, with nothing
+to write back first. Its lineage is not trusted for what it holds: the
+comparison of extent maps also finds what another process wrote to it,
+which is rewritten from the layers too (see blockdiff.vm.integrity). (The
+QEMUs that map it and the spares, started ahead for the next restore or
+fork, wait for a device state, and neither read nor write guest RAM
+before they have one: see ``Machine.start_waiting``.)
 
 - A restore brings it to the checkpoint (``bring``) while the dead VM's
   QEMU is stopped, then swaps it with the dead VM's memory image
@@ -74,8 +77,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
-
 from blockdiff.engine.extents import pieces_within
 from blockdiff.engine.files import clone_or_copy
 from blockdiff.errors import VMError
@@ -106,8 +107,6 @@ STOP_WAIT = 0.2
 # a loaded machine.
 WORKER_READY = "ready"
 READY_WAIT = 60.0
-# Nothing written since its snapshot: the in-place restore compares maps only.
-NOTHING_WRITTEN = (np.zeros(0, np.uint64), np.zeros(0, np.uint64))
 
 
 class Spare:
@@ -157,7 +156,9 @@ class Spare:
             if not clean(self.store, self.path, size):
                 self._build(snapshot_id, size, clone_of)
             if self.store.lineage(self.path)[0] != snapshot_id:
-                self.store.restore(snapshot_id, self.path, written=NOTHING_WRITTEN)
+                # Its extent map compared, not its lineage trusted (see
+                # blockdiff.vm.integrity).
+                self.store.restore(snapshot_id, self.path)
 
     def _build(self, snapshot_id: str, size: int, clone_of: Path | None) -> None:
         """A new spare, renamed into place once whole: a clone of
@@ -313,8 +314,11 @@ class Standby:
             if not clean(self.store, self.path, self.store.get(memory_snapshot_id).size):
                 return False
             # Not warmed here: the resume warms it beside QEMU's loading.
+            # Its extent map compared with its snapshot's (about a
+            # millisecond): what another process wrote to it since it was
+            # prepared is rewritten too (see blockdiff.vm.integrity).
             try:
-                self.store.restore(memory_snapshot_id, self.path, written=NOTHING_WRITTEN)
+                self.store.restore(memory_snapshot_id, self.path)
             except Exception as e:   # noqa: BLE001 - see failure
                 self.failure = e
                 return False
@@ -406,11 +410,9 @@ class Standby:
             with locked(self._lock_path, wait=True):
                 self._swapping.unlink(missing_ok=True)   # left by a swap cut short
                 size = self.store.get(memory_snapshot_id).size
-                if clean(self.store, self.path, size):
-                    self.store.restore(memory_snapshot_id, self.path,
-                                       written=NOTHING_WRITTEN)
-                elif holds(self.path, size):
-                    # An old memory image: compared whole (written back, mapped).
+                if holds(self.path, size):
+                    # Compared whole (an old memory image: written back,
+                    # mapped; a clean one: mapped, see blockdiff.vm.integrity).
                     self.store.restore(memory_snapshot_id, self.path)
                 else:
                     self.path.unlink(missing_ok=True)
