@@ -26,7 +26,7 @@ from blockdiff.errors import Damaged, RemoteError, StoreError, UsageError
 from blockdiff.store import Store
 from blockdiff.store.objects import layer_name
 from blockdiff.store.remote import layer_key
-from blockdiff.store.replication import SWEEP_GRACE, sweep_remote
+from blockdiff.store.replication import sweep_remote
 from blockdiff.store.retention import Policy
 from blockdiff.store.views import view_path
 
@@ -384,7 +384,7 @@ def test_rm_while_the_object_store_is_unreachable_never_makes_a_snapshot_non_dur
         assert {p.snapshot: p.state for p in b.placement()} == dict.fromkeys(
             (first, third), "durable")
         # The objects the removal could not delete go with a sweep.
-        once_back(lambda: sweep_remote(b, now=time.time() + 2 * SWEEP_GRACE))
+        once_back(lambda: sweep_remote(b, grace=0))
         assert not [info.key for info in b.remote.list("") if fourth in info.key]
         # Host A is gone for good: B restores both from the object store.
         shutil.rmtree(xfs / "store")
