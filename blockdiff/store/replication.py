@@ -9,8 +9,8 @@ that never completes stores nothing). The one exception is what a removal
 or a compaction rewrites for a durable snapshot (its maps, a compaction's
 layer): it is uploaded before the switch, so the snapshot stays durable
 (:func:`upload_rewritten`), and the sweep keeps every map object of a
-snapshot whose map is a delta. An
-upload whose rows went meanwhile deletes the object it just stored. Pushes
+snapshot whose map is a delta. An upload whose rows went meanwhile deletes
+the object it just stored. Pushes
 of one host run one at a time (``STORE/push.lock``); a layer is pushed only
 by a host that holds it, and only while it is not uploaded, so two hosts
 never upload one key.
@@ -276,9 +276,9 @@ def sweep_remote(store: StoreState, grace: float = SWEEP_GRACE) -> int:
     snaps = store.catalog.all()
     keep = {layer_key(layer_name(x)) for x in store.catalog.layer_ids()}
     keep |= {map_key(map_name(s.id, s.map_sha256)) for s in snaps}
-    # A removal uploads the map it rewrites whole for a snapshot whose map
-    # is a delta before the row naming it commits (upload_rewritten):
-    # every map object of such a snapshot is kept.
+    # A removal or compaction uploads the map it rewrites whole for a
+    # snapshot whose map is a delta before the row naming it commits
+    # (upload_rewritten): every map object of such a snapshot is kept.
     rewritable = {s.id for s in snaps if s.map_base is not None}
     doomed = [info.key for info in listed if info.key not in keep and (
         info.key.startswith("layers/")
@@ -304,9 +304,9 @@ def upload_rewritten(store: StoreState, snaps: list[Snapshot], digests: dict[int
     (``digests`` by seq; a removal's dependents written whole, a compacted
     snapshot and its dependents): upload the new map of each one whose map is
     in the object store now, and with them the new layers those maps use
-(``layers``, their records not in the catalog yet),
-    so that none stops being durable at the switch. Nothing is uploaded in a
-    store of one host. Raises ``RemoteError`` if the object store fails."""
+    (``layers``, records not in the catalog yet), so that none stops being
+    durable at the switch. Nothing is uploaded in a store of one host.
+    Raises ``RemoteError`` if the object store fails."""
     from blockdiff.store.remote import layer_key, map_key
     uploaded = Uploaded()
     if store.shared is None:
