@@ -394,6 +394,75 @@ def test_rm_while_the_object_store_is_unreachable_never_makes_a_snapshot_non_dur
         b.close()
 
 
+def _durable_line_to_compact(a: Store, b: Store, xfs: Path, tmp_path: Path, seed: int):
+    """Four durable snapshots on A, the second the one to compact (the third
+    a delta on it, the fourth on the third); their ids, the directory of
+    their bytes, and every snapshot's map digest as B sees it."""
+    image, keep, rng = start_line(xfs, tmp_path, seed)
+    ids = commit_line(a, image, keep, rng, 4)
+    a.push()
+    assert b.get(ids[2]).map_base == ids[1] and b.get(ids[3]).map_base == ids[2]
+    assert {p.snapshot: p.state for p in b.placement()} == dict.fromkeys(ids, "durable")
+    return ids, keep, {s.id: s.map_sha256 for s in b.log()}
+
+
+def _restored_by_b_alone(a_root: Path, b: Store, host_b_dir: Path, ids, keep: Path) -> None:
+    """Host A is gone for good: B restores every snapshot, byte for byte."""
+    shutil.rmtree(a_root)
+    for sid in ids:
+        once_back(lambda sid=sid: b.restore(sid, host_b_dir / f"x-{sid}"))
+        assert filecmp.cmp(host_b_dir / f"x-{sid}", keep / sid, shallow=False)
+
+
+def test_compacting_a_durable_snapshot_keeps_it_and_its_dependents_durable(
+        hosts, xfs, host_b_dir, tmp_path):
+    """The compacted snapshot's new layer and map, and the maps of the
+    snapshots built on it, rewritten whole, are in the object store when
+    their rows switch: every snapshot stays durable, with no push after it,
+    and another host restores them all once the compacting host is gone."""
+    a, b = hosts
+    ids, keep, maps = _durable_line_to_compact(a, b, xfs, tmp_path, 14)
+    done = cli("compact", "--store", xfs / "store", ids[1], check=False)
+    assert done.returncode == 0, done.stderr
+    assert b.get(ids[1]).map_sha256 != maps[ids[1]]
+    assert b.get(ids[2]).map_base is None                   # written whole
+    assert {p.snapshot: p.state for p in b.placement()} == dict.fromkeys(ids, "durable")
+    _restored_by_b_alone(xfs / "store", b, host_b_dir, ids, keep)
+
+
+def test_compact_while_the_object_store_is_unreachable_changes_nothing(
+        xfs, host_b_dir, catalog, tmp_path, monkeypatch):
+    """With the object store down, compacting a durable snapshot refuses
+    (status 14) and changes nothing: every row as it was, every snapshot
+    durable and restorable by another host. Once it is back, compact does
+    it, and everything stays durable."""
+    objectstore._require_seaweedfs()
+    with running_seaweedfs(tmp_path / "weed") as server:
+        point_boto3_at(server, monkeypatch, tmp_path)
+        monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+        a = Store.init(xfs / "store", catalog=catalog, remote=f"s3://{server.bucket}/x")
+        b = Store.init(host_b_dir / "store", catalog=catalog)
+        ids, keep, maps = _durable_line_to_compact(a, b, xfs, tmp_path, 15)
+        layers = {sid: b.catalog.layers_of(b.get(sid)) for sid in ids}
+        a.close()
+        files = sorted(os.listdir(xfs / "store" / "objects"))
+        server.stop()
+        done = cli("compact", "--store", xfs / "store", ids[1], check=False)
+        assert done.returncode == 14, done.stderr
+        assert {s.id: s.map_sha256 for s in b.log()} == maps
+        assert {sid: b.catalog.layers_of(b.get(sid)) for sid in ids} == layers
+        assert {p.snapshot: p.state for p in b.placement()} == dict.fromkeys(ids, "durable")
+        assert "Traceback" not in done.stderr and "was not compacted" in done.stderr
+        assert sorted(os.listdir(xfs / "store" / "objects")) == files
+        server.start()
+        done = _retried_while_unreachable("compact", "--store", xfs / "store", ids[1])
+        assert done.returncode == 0, done.stderr
+        assert b.get(ids[1]).map_sha256 != maps[ids[1]]
+        assert {p.snapshot: p.state for p in b.placement()} == dict.fromkeys(ids, "durable")
+        _restored_by_b_alone(xfs / "store", b, host_b_dir, ids, keep)
+        b.close()
+
+
 REMOVER = """\
 import json, sys
 from blockdiff.errors import BlockdiffError

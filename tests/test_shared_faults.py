@@ -6,8 +6,8 @@ Two hosts are two store directories on two XFS filesystems, sharing one
 PostgreSQL catalog and one bucket of a SeaweedFS server of the test's own
 (it is stopped and started). Each step picks a host and one of: commit
 (after random writes to the host's image), restore in place, fork (restore
-to a new path), rm, gc (``--cache-size 0``: every uploaded copy evicted, the
-objects swept), push and pull. Some steps run in-process through the
+to a new path), rm, compact, gc (``--cache-size 0``: every uploaded copy
+evicted, the objects swept), push and pull. Some steps run in-process through the
 library, others as ``python3 -m blockdiff`` in a process of their own; a
 fault may be injected into a step:
 
@@ -300,6 +300,31 @@ class Run:
         del self.expected[sid]
         self.durable.discard(sid)
 
+    def compact(self, host: Host, fault: str) -> None:
+        """Compacting changes no snapshot's bytes, and (checked after the
+        step) leaves every durable snapshot durable: the new layer and maps
+        are uploaded before the rows switch, or nothing changes."""
+        sid = self.pick()
+        if sid is None:
+            return
+        if fault in ("kill", "pg-during"):
+            done = self.cli("compact", "--store", host.root, sid, kill=fault == "kill",
+                            restart_pg=fault == "pg-during")
+            if done is not None and done.returncode != 0:
+                assert done.returncode in (6, 13, 14), done.stderr
+            self.reconcile()
+            return
+        before = host.store.get(sid).map_sha256
+        try:
+            host.store.compact(sid)
+        except BlockdiffError as e:
+            # Refused while the object store is down, or for a snapshot
+            # whose layers are only on the other host: then nothing changed.
+            assert ((fault == "remote-down" and isinstance(e, RemoteError))
+                    or "not in the object store yet" in str(e)), e
+            assert host.store.get(sid).map_sha256 == before
+            return
+
     def gc(self, host: Host, fault: str) -> None:
         done = self.cli("gc", "--store", host.root, "--cache-size", "0",
                         kill=fault == "kill", restart_pg=fault == "pg-during")
@@ -382,7 +407,7 @@ class Run:
     def step(self, number: int) -> None:
         host = self.rng.choice(self.hosts)
         operation = self.rng.choice(["commit", "commit", "restore_in_place", "fork", "rm",
-                                     "gc", "push", "pull"])
+                                     "compact", "gc", "push", "pull"])
         if len(self.expected) >= MAX_SNAPSHOTS and operation == "commit":
             operation = "rm"
         fault = self.rng.choice(["none", "none", "none", "kill", "kill", "remote-down",

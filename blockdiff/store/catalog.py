@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from blockdiff.db import Database, Migrations, connect, damaged, migrate, schema_version
-from blockdiff.errors import ConstraintFailed, DatabaseError
+from blockdiff.errors import Conflict, ConstraintFailed, DatabaseError
 
 MIGRATIONS = [
     # 1: the snapshot tree.
@@ -480,7 +480,14 @@ class Catalog:
     def replace_map(self, db, snapshot: Snapshot, digest: str, layers) -> list[int]:
         """Point a snapshot at a rewritten map that uses ``layers``, inside an
         open transaction. Drops the records of the layers no snapshot uses any
-        more and returns them."""
+        more and returns them. ``Conflict`` if the snapshot's row no longer
+        names the map ``snapshot`` does (removed or rewritten meanwhile by
+        another process or host): the new map was made from the old one."""
+        row = db.execute("SELECT map_sha256 FROM snapshots WHERE seq = ?",
+                         (snapshot.seq,)).fetchone()
+        if row is None or row[0] != snapshot.map_sha256:
+            raise Conflict(f"snapshot {snapshot.id} was removed or rewritten meanwhile "
+                           f"(by another process or host); nothing was changed: try again")
         before = {layer for (layer,) in db.execute(
             "SELECT layer FROM layer_refs WHERE snapshot = ?", (snapshot.seq,))}
         layers = sorted({int(layer) for layer in layers})
@@ -624,10 +631,10 @@ class Catalog:
         return [_row(r) for r in self.db.execute(
             _SELECT + " WHERE s.map_uploaded IS NULL ORDER BY s.seq")]
 
-    def mark_layer_uploaded(self, layer: int, size: int) -> bool:
+    def mark_layer_uploaded(self, layer: int, size: int, db=None) -> bool:
         """Record that ``layer`` (``size`` bytes) is in the object store;
         False if it has no record any more (removed meanwhile)."""
-        with self.transaction() as db:
+        with contextlib.nullcontext(db) if db is not None else self.transaction() as db:
             if db.execute("SELECT 1 FROM layers WHERE layer = ?", (int(layer),)).fetchone() \
                     is None:
                 return False

@@ -1,6 +1,14 @@
 """Compaction: a snapshot's data rewritten into one new, physically
 contiguous layer, so that forks of it take a few clones instead of one per
-fragment (see docs/store.md, "Fragmented images and compaction")."""
+fragment (see docs/store.md, "Fragmented images and compaction").
+
+In a store shared by several hosts a compaction never makes a durable
+snapshot non-durable: the new layer, the snapshot's new map and the maps of
+its dependents written whole are uploaded before the transaction that
+switches their rows (which records them as uploaded), as a removal does
+(blockdiff.store.removal); if the object store fails, nothing changes
+(``RemoteError``). The switch checks that the rows it read are unchanged
+(``Conflict`` otherwise)."""
 
 from __future__ import annotations
 
@@ -13,6 +21,7 @@ import numpy as np
 
 from blockdiff import native
 from blockdiff.engine.extents import ExtentMap, PieceTable, coalesce
+from blockdiff.errors import RemoteError
 from blockdiff.progress import NO_PROGRESS, Progress
 from blockdiff.store.catalog import Snapshot
 from blockdiff.store.ids import new_id
@@ -20,6 +29,7 @@ from blockdiff.store.layers import chunk_record, file_identity
 from blockdiff.store.maps import SnapshotMap, encode_map, pack_pieces
 from blockdiff.store.objects import unlink
 from blockdiff.store.removal import refuse_lost_references
+from blockdiff.store.replication import forget_objects, record_uploaded, upload_rewritten
 from blockdiff.store.state import StoreState
 
 
@@ -69,11 +79,19 @@ def compact(store: StoreState, snapshot_id: str, progress: Progress = NO_PROGRES
             old_map = store.map_path(snap)
             # Maps that are deltas on the old one are written whole first.
             dependents, digests = store.maps.write_dependents_whole(snap, placed)
+            rewritten, maps = [snap, *dependents], {**digests, snap.seq: digest}
+            # Objects first, then rows: what was durable stays so at the switch.
+            try:
+                uploaded = upload_rewritten(store, rewritten, maps, (record,))
+            except RemoteError as e:
+                raise RemoteError(f"snapshot {snap.id} was not compacted: its new layer "
+                                  f"and maps must be in the object store first ({e})") from e
             with store.catalog.transaction() as db:
                 refuse_lost_references(store.catalog, store.root, db)
                 store.maps.point_dependents_at_whole(db, snap, dependents, digests)
                 store.catalog.add_layer(db, record)
                 unused = store.catalog.replace_map(db, snap, digest, [layer])
+                record_uploaded(store, db, rewritten, maps, uploaded)
         except BaseException:
             for p in (staged, map_tmp):
                 with contextlib.suppress(FileNotFoundError):
@@ -88,4 +106,8 @@ def compact(store: StoreState, snapshot_id: str, progress: Progress = NO_PROGRES
         for old in unused:
             unlink(store.layer_path(old))
             store.layers.forget(old)
+    if store.shared is not None:
+        # No row names the old objects any more; other hosts' copies go with
+        # their next sweep.
+        forget_objects(store, unused, rewritten)
     return store.get(snapshot_id)

@@ -21,7 +21,6 @@ again on what the catalog says now, a few times at most.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from blockdiff.errors import Conflict, Damaged, RemoteError, UnknownSnapshot
 from blockdiff.store.catalog import Catalog, Snapshot
 from blockdiff.store.ids import layer_number
 from blockdiff.store.objects import layer_name, unlink
-from blockdiff.store.replication import forget_objects, upload_rewritten_maps
+from blockdiff.store.replication import forget_objects, record_uploaded, upload_rewritten
 from blockdiff.store.retention import apply_policy, owner_of
 from blockdiff.store.state import StoreState
 from blockdiff.store.views import sweep_views
@@ -140,22 +139,16 @@ def _remove_one(store: StoreState, snap: Snapshot) -> int:
     with store.lock.shared():
         try:
             dependents, digests = store.maps.write_dependents_whole(snap, placed)
-            uploaded = {}
-            if store.shared is not None and dependents:
-                try:
-                    uploaded = upload_rewritten_maps(store, dependents, digests)
-                except RemoteError as e:
-                    raise RemoteError(f"snapshot {snap.id} was not removed: the maps of "
-                                      f"the snapshots built on it must be in the object "
-                                      f"store first ({e})") from e
+            try:
+                uploaded = upload_rewritten(store, dependents, digests)
+            except RemoteError as e:
+                raise RemoteError(f"snapshot {snap.id} was not removed: the maps of "
+                                  f"the snapshots built on it must be in the object "
+                                  f"store first ({e})") from e
             with store.catalog.transaction() as db:
                 refuse_lost_references(store.catalog, store.root, db)
                 store.maps.point_dependents_at_whole(db, snap, dependents, digests)
-                for dep in dependents:
-                    if dep.seq in uploaded:
-                        store.catalog.mark_map_uploaded(
-                            dataclasses.replace(dep, map_sha256=digests[dep.seq]),
-                            uploaded[dep.seq], db)
+                record_uploaded(store, db, dependents, digests, uploaded)
                 unused = store.catalog.remove(db, snap, layer_number(snap.id))
         except BaseException:
             # What was uploaded stays for the sweep (sweep_remote): another

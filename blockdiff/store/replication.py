@@ -5,11 +5,12 @@ beyond its cache size, and sweep objects no snapshot uses.
 Order. Every object is uploaded after the catalog rows that name it are
 committed, so an object without a row is one whose rows were removed (or
 an upload that failed half-way, which leaves no object: a multipart upload
-that never completes stores nothing). The one exception is the map a
-removal rewrites whole for a durable snapshot: it is uploaded before the
-switch, so the snapshot stays durable (:func:`upload_rewritten_maps`), and
-the sweep keeps every map object of a snapshot whose map is a delta. An
-upload whose rows went meanwhile deletes the object it just stored. Pushes
+that never completes stores nothing). The one exception is what a removal
+or a compaction rewrites for a durable snapshot (its maps, a compaction's
+layer): it is uploaded before the switch, so the snapshot stays durable
+(:func:`upload_rewritten`), and the sweep keeps every map object of a
+snapshot whose map is a delta. An upload whose rows went meanwhile deletes
+the object it just stored. Pushes
 of one host run one at a time (``STORE/push.lock``); a layer is pushed only
 by a host that holds it, and only while it is not uploaded, so two hosts
 never upload one key.
@@ -27,6 +28,7 @@ relied on the copy stop holding at once (blockdiff.store.views).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import os
 import threading
@@ -37,7 +39,8 @@ import numpy as np
 
 from blockdiff.errors import RemoteError, StoreError
 from blockdiff.progress import NO_PROGRESS, Progress
-from blockdiff.store.catalog import Snapshot
+from blockdiff.store.catalog import LayerRecord, Snapshot
+from blockdiff.store.layers import DecodedLayer
 from blockdiff.store.objects import allocated, layer_name, map_name, unlink
 from blockdiff.store.state import StoreState
 
@@ -98,7 +101,7 @@ def push(store: StoreState, snapshot_id: str | None = None,
     or what one snapshot needs (its layers and its chain of maps). Layers go
     before maps, older before newer, so a snapshot becomes durable no
     sooner than everything it needs. ``progress`` hears of the bytes sent."""
-    from blockdiff.store.remote import ChunkChecksums, layer_key, map_key
+    from blockdiff.store.remote import layer_key, map_key
     _require_shared(store)
     catalog, remote = store.catalog, store.remote
     result = PushResult()
@@ -113,11 +116,8 @@ def push(store: StoreState, snapshot_id: str | None = None,
         progress.start(sum(_size(p) for p in paths), "B", "uploading")
         for layer in layers:
             path = store.layer_path(layer)
-            table = store.layers.decoded(layer)
-            checksums = ChunkChecksums(table.run_pos, table.run_length, table.record.chunk,
-                                       table.crc)
             size = _size(path)
-            remote.put_file(layer_key(path.name), path, checksums)
+            remote.put_file(layer_key(path.name), path, _checksums(store.layers.decoded(layer)))
             if not catalog.mark_layer_uploaded(layer, size):
                 remote.delete([layer_key(path.name)])   # removed meanwhile
                 continue
@@ -276,9 +276,9 @@ def sweep_remote(store: StoreState, grace: float = SWEEP_GRACE) -> int:
     snaps = store.catalog.all()
     keep = {layer_key(layer_name(x)) for x in store.catalog.layer_ids()}
     keep |= {map_key(map_name(s.id, s.map_sha256)) for s in snaps}
-    # A removal uploads the map it rewrites whole for a snapshot whose map
-    # is a delta before the row naming it commits (upload_rewritten_maps):
-    # every map object of such a snapshot is kept.
+    # A removal or compaction uploads the map it rewrites whole for a
+    # snapshot whose map is a delta before the row naming it commits
+    # (upload_rewritten): every map object of such a snapshot is kept.
     rewritable = {s.id for s in snaps if s.map_base is not None}
     doomed = [info.key for info in listed if info.key not in keep and (
         info.key.startswith("layers/")
@@ -289,25 +289,60 @@ def sweep_remote(store: StoreState, grace: float = SWEEP_GRACE) -> int:
     return len(doomed) + aborted
 
 
-def upload_rewritten_maps(store: StoreState, dependents: list[Snapshot],
-                          digests: dict[int, str]) -> dict[int, int]:
-    """Before the catalog switches ``dependents`` to the maps written whole
-    for them (``digests`` by seq): upload the new map of each one whose map
-    is in the object store now, so that none stops being durable at the
-    switch. Returns the sizes uploaded, by seq, for the switch to record;
-    raises ``RemoteError`` if the object store fails."""
-    from blockdiff.store.remote import map_key
-    sizes = {}
-    for dep in dependents:
-        if store.catalog.map_upload(dep)[1] is None:
-            continue          # not durable before: it waits for a push, as it did
-        path = store.object_files.map_path(dep.id, digests[dep.seq])
-        # Uploaded before any row names it (the other way round from a
-        # push): sweep_remote keeps every map object of a snapshot whose
-        # map is a delta, so none is swept before the switch commits.
+@dataclass
+class Uploaded:
+    """What :func:`upload_rewritten` put in the object store, for the
+    catalog switch to record."""
+
+    maps: dict[int, int] = field(default_factory=dict)     # sizes, by snapshot seq
+    layers: dict[int, int] = field(default_factory=dict)   # sizes, by layer
+
+
+def upload_rewritten(store: StoreState, snaps: list[Snapshot], digests: dict[int, str],
+                     layers: tuple[LayerRecord, ...] = ()) -> Uploaded:
+    """Before the catalog switches ``snaps`` to maps rewritten for them
+    (``digests`` by seq; a removal's dependents written whole, a compacted
+    snapshot and its dependents): upload the new map of each one whose map is
+    in the object store now, and with them the new layers those maps use
+    (``layers``, records not in the catalog yet), so that none stops being
+    durable at the switch. Nothing is uploaded in a store of one host.
+    Raises ``RemoteError`` if the object store fails."""
+    from blockdiff.store.remote import layer_key, map_key
+    uploaded = Uploaded()
+    if store.shared is None:
+        return uploaded
+    # Not durable before: it waits for a push, as it did.
+    durable = [s for s in snaps if store.catalog.map_upload(s)[1] is not None]
+    # Uploaded before any row names them (the other way round from a push):
+    # sweep_remote keeps every map object of a snapshot whose map is a delta,
+    # and deletes other objects no row names only after SWEEP_GRACE.
+    for record in layers if durable else ():
+        path = store.layer_path(record.layer)
+        store.remote.put_file(layer_key(path.name), path, _checksums(DecodedLayer(record)))
+        uploaded.layers[record.layer] = _size(path)
+    for snap in durable:
+        path = store.object_files.map_path(snap.id, digests[snap.seq])
         store.remote.put_file(map_key(path.name), path)
-        sizes[dep.seq] = _size(path)
-    return sizes
+        uploaded.maps[snap.seq] = _size(path)
+    return uploaded
+
+
+def record_uploaded(store: StoreState, db, snaps: list[Snapshot], digests: dict[int, str],
+                    uploaded: Uploaded) -> None:
+    """Inside the switch that points ``snaps`` at their new maps: record what
+    :func:`upload_rewritten` uploaded (after the rows naming it are in)."""
+    for layer, size in uploaded.layers.items():
+        store.catalog.mark_layer_uploaded(layer, size, db)
+    for snap in snaps:
+        if snap.seq in uploaded.maps:
+            store.catalog.mark_map_uploaded(
+                dataclasses.replace(snap, map_sha256=digests[snap.seq]),
+                uploaded.maps[snap.seq], db)
+
+
+def _checksums(table):
+    from blockdiff.store.remote import ChunkChecksums
+    return ChunkChecksums(table.run_pos, table.run_length, table.record.chunk, table.crc)
 
 
 def forget_objects(store: StoreState, layers, maps: list[Snapshot]) -> None:
