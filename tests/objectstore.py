@@ -32,6 +32,8 @@ from pathlib import Path
 import pytest
 from services import log_tail, stop_by_pid
 
+from blockdiff.errors import RemoteError
+
 BUCKET = "blockdiff-test"
 START_SECONDS = 60
 # weed's graceful stop can spend half a minute reconnecting to its own
@@ -42,6 +44,19 @@ STOP_SECONDS = 3
 PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
          "filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc")
 _PR_SET_PDEATHSIG = 1
+
+
+def once_back(operation, seconds: float = 60.0):
+    """``operation()``, retried while a restarted object store still answers
+    "retry later" (SeaweedFS takes a moment to bring its volumes back)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return operation()
+        except RemoteError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def weed_binary() -> str | None:

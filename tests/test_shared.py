@@ -19,7 +19,7 @@ import numpy as np
 import objectstore
 import postgres
 import pytest
-from objectstore import point_boto3_at, running_seaweedfs
+from objectstore import once_back, point_boto3_at, running_seaweedfs
 
 import filesystems
 from blockdiff.errors import Damaged, RemoteError, StoreError, UsageError
@@ -128,17 +128,15 @@ def commit_line(store: Store, image: Path, keep: Path, rng, count: int, **option
     return ids
 
 
-def once_back(operation, seconds: float = 60.0):
-    """``operation()``, retried while a restarted object store still answers
-    "retry later" (SeaweedFS takes a moment to bring its volumes back)."""
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            return operation()
-        except RemoteError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
+def flip_object_byte(s3_env, key: str) -> tuple[bytes, bytes]:
+    """Put the object at ``key`` back with its middle byte flipped (same
+    size, no metadata changed); ``(good, bad)`` bytes."""
+    client = s3_env.client()
+    good = client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read()
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0xFF
+    client.put_object(Bucket=s3_env.bucket, Key=key, Body=bytes(bad))
+    return good, bytes(bad)
 
 
 def layer_bytes(store: Store, snapshot_ids) -> int:
@@ -292,11 +290,8 @@ def test_a_damaged_or_missing_object_is_never_restored(hosts, xfs, host_b_dir, t
     name = layer_name(int(sid, 16))
     key = f"{bucket_url.split('/', 3)[3]}/{layer_key(name)}"
     client = s3_env.client()
-    good = client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read()
-    bad = bytearray(good)
-    bad[len(bad) // 2] ^= 0xFF
     # Behind the store's back, with no metadata: only the catalog's checksums can tell.
-    client.put_object(Bucket=s3_env.bucket, Key=key, Body=bytes(bad))
+    flip_object_byte(s3_env, key)
     with pytest.raises(Damaged, match="fail their CRC32C"):
         b.restore(sid, host_b_dir / "x.img")
     assert not (host_b_dir / "x.img").exists()
@@ -1117,12 +1112,9 @@ def test_a_damaged_object_or_local_copy_is_never_kept_and_is_fetched_again(
     map_file = b.map_path(b.get(sid)).name
     key = f"{bucket_url.split('/', 3)[3]}/maps/{map_file}"
     client = s3_env.client()
-    good = client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read()
-    bad = bytearray(good)
-    bad[len(bad) // 2] ^= 0xFF
     # Other bytes of the same size, behind the store's back: refused, and
     # nothing of it enters B's objects/.
-    client.put_object(Bucket=s3_env.bucket, Key=key, Body=bytes(bad))
+    good, _ = flip_object_byte(s3_env, key)
     done = cli("restore", "--store", store_b, sid, host_b_dir / "x.img", check=False)
     assert done.returncode == 7 and "Traceback" not in done.stderr
     assert "not the map the catalog records" in done.stderr

@@ -56,7 +56,7 @@ from pathlib import Path
 import objectstore
 import postgres
 import pytest
-from objectstore import point_boto3_at, running_seaweedfs
+from objectstore import once_back, point_boto3_at, running_seaweedfs
 
 import filesystems
 from blockdiff.errors import BlockdiffError, RemoteError
@@ -432,19 +432,6 @@ class Run:
 def replication_sweep(store: Store) -> None:
     from blockdiff.store import replication
     once_back(lambda: replication.sweep_remote(store, grace=0))
-
-
-def once_back(operation, seconds: float = 60.0):
-    """``operation()``, retried while a restarted object store still answers
-    "retry later" (SeaweedFS takes a moment to bring its volumes back)."""
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            return operation()
-        except RemoteError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
 
 
 def test_two_hosts_under_faults_keep_every_durable_snapshot_exact(
