@@ -21,18 +21,18 @@ class BlockdiffError(Exception):
 # 1: the operating system refused or failed; OSError is reported with it too.
 
 
-class NoSpace(BlockdiffError):
+class FilesystemError(BlockdiffError):
+    """A filesystem that cannot serve: a scratch filesystem (the demo's, the
+    tests') that could not be made, mounted or taken down (a tool missing or
+    failing, no loop device), or one without the room an operation needs
+    (:class:`NoSpace`)."""
+
+    exit_code = 1
+
+
+class NoSpace(FilesystemError):
     """A filesystem has not the room an operation needs (ENOSPC); the
     message says how much, and what was left as it was."""
-
-    exit_code = 1
-
-
-class FilesystemError(BlockdiffError):
-    """A scratch filesystem (the demo's, the tests') could not be made,
-    mounted or taken down: a tool missing or failing, no loop device."""
-
-    exit_code = 1
 
 
 # 2
