@@ -33,6 +33,11 @@ from blockdiff.engine.identity import sha256_file
 from blockdiff.errors import DemoCheckFailed
 
 MiB = 1 << 20
+# What the sandbox VM and its fork hold on the scratch filesystem while they
+# run (each one's RAM and disk holding blocks of their own, the room a
+# checkpoint keeps free: blockdiff.vm.reserve) beside their checkpoints. The
+# backing file is sparse: only what is written takes space.
+VM_ROOM = 2048 * MiB
 BLOCK = 4096
 
 
@@ -131,7 +136,8 @@ def run(workdir: str | os.PathLike | None = None, *, size: int = 512 * MiB, step
     with contextlib.ExitStack() as stack:
         if workdir is None:
             root = stack.enter_context(
-                scratch.mounted_filesystem("xfs", size=4 * size + 512 * MiB))
+                scratch.mounted_filesystem("xfs", size=4 * size + 512 * MiB
+                                           + (VM_ROOM if vm else 0)))
             emit("scratch XFS (reflink=1) on a loop device", detail=str(root))
         else:
             root = Path(workdir)
