@@ -104,6 +104,17 @@ def _test_dir(request, get_mount, kind: str):
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def second_xfs():
+    """Another XFS filesystem: the second host's disk
+    in the tests of a store several hosts share."""
+    reason = filesystems.filesystem_unavailable_reason("xfs")
+    if reason is not None:
+        pytest.skip(f"xfs unavailable: {reason}")
+    with filesystems.mounted_filesystem("xfs") as mount:
+        yield mount
+
+
 @pytest.fixture
 def xfs(request, _session_mounts):
     """Fresh empty directory on a reflink-enabled XFS mount."""

@@ -57,7 +57,7 @@ from pathlib import Path
 import objectstore
 import postgres
 import pytest
-from test_shared import host_b_dir, second_xfs  # noqa: F401  (fixtures)
+from test_shared import host_b_dir  # noqa: F401  (fixtures)
 
 seaweedfs, s3_env = objectstore.seaweedfs, objectstore.s3_env
 postgres_server, postgres_url = postgres.postgres_server, postgres.postgres_url

@@ -5,6 +5,7 @@ restore is compared byte for byte."""
 
 from __future__ import annotations
 
+import contextlib
 import filecmp
 import json
 import os
@@ -21,7 +22,6 @@ import postgres
 import pytest
 from objectstore import once_back, point_boto3_at, running_seaweedfs
 
-import filesystems
 from blockdiff.errors import Damaged, RemoteError, StoreError, UsageError
 from blockdiff.store import Store
 from blockdiff.store.objects import layer_name
@@ -36,16 +36,6 @@ postgres_server, postgres_url = postgres.postgres_server, postgres.postgres_url
 MiB = 1 << 20
 IMAGE = 64 * MiB
 BLOCK = 4096
-
-
-@pytest.fixture(scope="module")
-def second_xfs():
-    """Another XFS filesystem: the second host's disk."""
-    reason = filesystems.filesystem_unavailable_reason("xfs")
-    if reason is not None:
-        pytest.skip(f"xfs unavailable: {reason}")
-    with filesystems.mounted_filesystem("xfs") as mount:
-        yield mount
 
 
 @pytest.fixture
@@ -78,6 +68,20 @@ def hosts(xfs, host_b_dir, catalog, bucket_url):
     yield a, b
     a.close()
     b.close()
+
+
+@contextlib.contextmanager
+def hosts_on_their_own_object_store(xfs, host_b_dir, catalog, tmp_path, monkeypatch):
+    """``(server, a, b)``: a SeaweedFS of the test's own (to stop and start)
+    and two hosts' stores of one shared store on it, A made it, B joined;
+    boto3 gives up on it after two attempts."""
+    objectstore._require_seaweedfs()
+    with running_seaweedfs(tmp_path / "weed") as server:
+        point_boto3_at(server, monkeypatch, tmp_path)
+        monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+        a = Store.init(xfs / "store", catalog=catalog, remote=f"s3://{server.bucket}/x")
+        b = Store.init(host_b_dir / "store", catalog=catalog)
+        yield server, a, b
 
 
 def cli(*args, check=True) -> subprocess.CompletedProcess:
@@ -352,12 +356,8 @@ def test_rm_while_the_object_store_is_unreachable_never_makes_a_snapshot_non_dur
     object store down, rm refuses (status 14) and removes nothing; once it
     is back, rm removes (status 0) and the child is restorable by every
     host, even after the host that ran rm is gone."""
-    objectstore._require_seaweedfs()
-    with running_seaweedfs(tmp_path / "weed") as server:
-        point_boto3_at(server, monkeypatch, tmp_path)
-        monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
-        a = Store.init(xfs / "store", catalog=catalog, remote=f"s3://{server.bucket}/x")
-        b = Store.init(host_b_dir / "store", catalog=catalog)
+    with hosts_on_their_own_object_store(xfs, host_b_dir, catalog, tmp_path,
+                                         monkeypatch) as (server, a, b):
         image, keep, rng = start_line(xfs, tmp_path, 13)
         first, second, third, fourth = commit_line(a, image, keep, rng, 4)
         assert b.get(third).map_base == second      # a delta on the one to remove
@@ -431,12 +431,8 @@ def test_compact_while_the_object_store_is_unreachable_changes_nothing(
     (status 14) and changes nothing: every row as it was, every snapshot
     durable and restorable by another host. Once it is back, compact does
     it, and everything stays durable."""
-    objectstore._require_seaweedfs()
-    with running_seaweedfs(tmp_path / "weed") as server:
-        point_boto3_at(server, monkeypatch, tmp_path)
-        monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
-        a = Store.init(xfs / "store", catalog=catalog, remote=f"s3://{server.bucket}/x")
-        b = Store.init(host_b_dir / "store", catalog=catalog)
+    with hosts_on_their_own_object_store(xfs, host_b_dir, catalog, tmp_path,
+                                         monkeypatch) as (server, a, b):
         ids, keep, maps = _durable_line_to_compact(a, b, xfs, tmp_path, 15)
         layers = {sid: b.catalog.layers_of(b.get(sid)) for sid in ids}
         a.close()
@@ -652,12 +648,8 @@ def test_joining_checks_the_object_store_and_refuses_mismatches(
 
 def test_the_object_store_killed_during_a_fetch_leaves_nothing_and_a_retry_works(
         xfs, host_b_dir, catalog, tmp_path, monkeypatch):
-    objectstore._require_seaweedfs()
-    with running_seaweedfs(tmp_path / "weed") as server:
-        point_boto3_at(server, monkeypatch, tmp_path)
-        monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
-        a = Store.init(xfs / "store", catalog=catalog, remote=f"s3://{server.bucket}/x")
-        b = Store.init(host_b_dir / "store", catalog=catalog)
+    with hosts_on_their_own_object_store(xfs, host_b_dir, catalog, tmp_path,
+                                         monkeypatch) as (server, a, b):
         image, keep, rng = start_line(xfs, tmp_path, 9)
         sid = commit_line(a, image, keep, rng, 1)[-1]
         real_pwrite = os.pwrite

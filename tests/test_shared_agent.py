@@ -33,7 +33,7 @@ from test_agent_example import (
     check_consistent,
     describe,
 )
-from test_shared import catalog, postgres_server, postgres_url, second_xfs  # noqa: F401
+from test_shared import catalog, postgres_server, postgres_url  # noqa: F401
 
 from blockdiff.agent.agent import Agent, AgentDB, ApprovalPending
 from blockdiff.agent.disks import ImageDisk

@@ -55,10 +55,8 @@ from pathlib import Path
 
 import objectstore
 import postgres
-import pytest
 from objectstore import once_back, point_boto3_at, running_seaweedfs
 
-import filesystems
 from blockdiff.errors import BlockdiffError, RemoteError
 from blockdiff.store import Store
 from blockdiff.store.objects import layer_name, map_name
@@ -79,16 +77,6 @@ HOUR = 3600.0
 # compared with a snapshot's `created`) and record wrong bytes (seed 3, 40
 # steps found it).
 CLOCK_STEPS = (-HOUR, HOUR)
-
-
-@pytest.fixture(scope="module")
-def second_xfs():
-    """Another XFS filesystem: the second host's disk."""
-    reason = filesystems.filesystem_unavailable_reason("xfs")
-    if reason is not None:
-        pytest.skip(f"xfs unavailable: {reason}")
-    with filesystems.mounted_filesystem("xfs") as mount:
-        yield mount
 
 
 class Clock:

@@ -11,7 +11,7 @@ import uuid
 
 import objectstore
 import pytest
-from test_shared import catalog, postgres_server, postgres_url, second_xfs  # noqa: F401
+from test_shared import catalog, postgres_server, postgres_url  # noqa: F401
 from test_vm_memory import alive, payload_hash, run, running_step, vm_image  # noqa: F401
 
 from blockdiff.store.store import Store
