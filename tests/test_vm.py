@@ -620,3 +620,14 @@ def test_a_checkpoint_dying_after_the_bitmap_swap_is_not_trusted(store, box, mon
     box.restore(after)
     assert box.exec("cat /a /b /c /d").stdout == b"a\nb\nc\nd\n"
     assert box.exec("test -e /e").status == 1
+
+
+def test_a_console_message_reads_only_the_end_of_a_flooded_log(tmp_path):
+    """The guest writes its console log: a launch failure quotes its last
+    lines, reading only its end, whatever the guest wrote before."""
+    from blockdiff.vm.machine import CONSOLE_TAIL, console_tail
+    assert console_tail(tmp_path) == "no console output"
+    with open(tmp_path / "console.log", "wb") as f:
+        f.write(b"x" * (8 << 20) + b"\n" + b"y" * (2 * CONSOLE_TAIL) + b"\nmount failed\n\nend\n")
+    tail = console_tail(tmp_path)
+    assert tail.endswith("mount failed | end") and len(tail) < 1000

@@ -313,11 +313,11 @@ class Machine:
         except GuestTimeout:
             self.kill()
             raise VMError(f"VM {name} did not come up within {timeout:.0f} s ({accel}); "
-                          f"its console: {self._console_tail()}") from None
+                          f"its console: {console_tail(self.directory)}") from None
         except VMError:
             self.kill()
             raise VMError(f"VM {name} stopped while booting; its console: "
-                          f"{self._console_tail()}") from None
+                          f"{console_tail(self.directory)}") from None
         steps.end()
         # Without tracking (a QEMU that refuses it), every snapshot maps the
         # whole disk: slower, never wrong.
@@ -651,14 +651,6 @@ class Machine:
         for f in RUNTIME_FILES:
             (self.directory / f).unlink(missing_ok=True)
 
-    def _console_tail(self, lines: int = 3) -> str:
-        try:
-            text = (self.directory / CONSOLE_LOG).read_text(errors="replace")
-        except OSError:
-            return "no console output"
-        kept = [line.strip() for line in text.splitlines() if line.strip()][-lines:]
-        return " | ".join(kept) if kept else "no console output"
-
     # -------------------------------------------------------- connections
 
     @contextlib.contextmanager
@@ -899,6 +891,24 @@ class Machine:
             if device.get("device") == "disk0" or device.get("qdev", "").startswith("disk0"):
                 return device["stats"]
         return {}
+
+
+# How much of the end of a console log a message quotes from.
+CONSOLE_TAIL = 64 * 1024
+
+
+def console_tail(directory: Path, lines: int = 3) -> str:
+    """The last ``lines`` non-empty lines of a VM's console log, for
+    messages. The guest writes that log: only its last CONSOLE_TAIL bytes
+    are read, whatever its size."""
+    try:
+        with open(directory / CONSOLE_LOG, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - CONSOLE_TAIL))
+            text = f.read(CONSOLE_TAIL).decode(errors="replace")
+    except OSError:
+        return "no console output"
+    kept = [line.strip()[:200] for line in text.splitlines() if line.strip()][-lines:]
+    return " | ".join(kept) if kept else "no console output"
 
 
 def _wait_exit(pid: int, timeout: float) -> bool:

@@ -603,7 +603,7 @@ class Sandbox:
                     # Then the disk, in place, beside the standby's move and
                     # the resume: the guest uses it only once resumed.
                     disk_ahead = (pool.submit(self._restore_disk, snap, written)
-                                  if self._holds_size(self.disk, snap.size) else None)
+                                  if _holds_size(self.disk, snap.size) else None)
                     ahead.result()
                     brought = time.monotonic()
                     (self.directory / RESUME_FROM).unlink(missing_ok=True)
@@ -695,8 +695,8 @@ class Sandbox:
             restore()
             (self.directory / RESUME_FROM).write_text(memory_snap.id + "\n")
             return
-        in_place = (self._holds_size(self.disk, snap.size)
-                    and self._holds_size(self.machine.memory_image, memory_snap.size))
+        in_place = (_holds_size(self.disk, snap.size)
+                    and _holds_size(self.machine.memory_image, memory_snap.size))
         if in_place:
             # The memory image while QEMU starts, the disk while it loads the
             # device state and starts the guest's CPUs (the guest uses its
@@ -726,13 +726,6 @@ class Sandbox:
             return self.store.recently_written(memory_snapshot_id, HOT_CHECKPOINTS,
                                                HOT_BYTES)
         return None
-
-    @staticmethod
-    def _holds_size(path: Path, size: int) -> bool:
-        try:
-            return os.stat(path).st_size == size
-        except OSError:
-            return False
 
     def _memory_of(self, snap: Snapshot, machine: Machine) -> Snapshot | None:
         """The memory snapshot of checkpoint ``snap`` (None for a disk-only
@@ -904,6 +897,14 @@ class Sandbox:
         if standby is not None and standby.copy_to(image, size, memory_snap.id):
             return "standby copy"
         return ""
+
+
+def _holds_size(path: Path, size: int) -> bool:
+    """Whether ``path`` is there, ``size`` bytes long."""
+    try:
+        return os.stat(path).st_size == size
+    except OSError:
+        return False
 
 
 def _empty_file(path: Path, size: int, mode: int) -> None:
