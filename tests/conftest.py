@@ -17,6 +17,7 @@ import signal
 import sys
 import tempfile
 import threading
+import uuid
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,12 @@ if _HERE not in sys.path:
 
 import filesystems  # noqa: E402
 from filesystems import KINDS, REFLINK_KINDS  # noqa: E402
+
+# The servers' fixtures (`postgres_server`, `postgres_url`, `seaweedfs`,
+# `s3_env`) are plugins, so each server starts once per session: a session
+# fixture imported into a test module is a new fixture of that module, and
+# starts again there.
+pytest_plugins = ["postgres", "objectstore"]
 
 
 def pytest_addoption(parser):
@@ -113,6 +120,24 @@ def second_xfs():
         pytest.skip(f"xfs unavailable: {reason}")
     with filesystems.mounted_filesystem("xfs") as mount:
         yield mount
+
+
+@pytest.fixture
+def host_b_dir(second_xfs):
+    """A fresh directory on the second host's XFS."""
+    path = second_xfs / f"b-{uuid.uuid4().hex[:8]}"
+    path.mkdir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def catalog(request, tmp_path):
+    """Where the hosts' shared catalog is: a database of a real PostgreSQL
+    server, or a SQLite file (store directories on one machine)."""
+    if request.param == "sqlite":
+        return str(tmp_path / "shared-catalog.sqlite")
+    return request.getfixturevalue("postgres_url")
 
 
 @pytest.fixture

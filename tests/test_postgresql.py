@@ -29,8 +29,6 @@ from blockdiff.errors import (
     UsageError,
 )
 
-postgres_server, postgres_url = postgres.postgres_server, postgres.postgres_url
-
 ROOT = Path(__file__).resolve().parent.parent
 PARENTS = """
     CREATE TABLE parents (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE,

@@ -54,13 +54,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import objectstore
-import postgres
 import pytest
-from test_shared import host_b_dir  # noqa: F401  (fixtures)
-
-seaweedfs, s3_env = objectstore.seaweedfs, objectstore.s3_env
-postgres_server, postgres_url = postgres.postgres_server, postgres.postgres_url
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -435,7 +429,7 @@ def test_sandbox_vm_console_example(xfs):
         _kill_vms(xfs / "srv" / "sandboxes" / "store")
 
 
-def test_several_hosts_console_example(xfs, host_b_dir, postgres_url, s3_env):  # noqa: F811
+def test_several_hosts_console_example(xfs, host_b_dir, postgres_url, s3_env):
     """Two hosts (the README's /srv/sandboxes and /srv/host-b, here two XFS
     filesystems) of one store, its catalog a database of a real PostgreSQL
     server and its objects in a real SeaweedFS bucket, each in the README's

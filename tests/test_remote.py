@@ -14,7 +14,6 @@ import uuid
 from pathlib import Path
 
 import numpy as np
-import objectstore
 import pytest
 from objectstore import point_boto3_at, running_seaweedfs
 
@@ -31,7 +30,6 @@ from blockdiff.store.remote import (
 )
 
 # The fixtures, where pytest looks for them.
-seaweedfs, s3_env = objectstore.seaweedfs, objectstore.s3_env
 
 PART = 5 * MiB
 CHUNK = 16 * 1024

@@ -30,29 +30,9 @@ from blockdiff.store.replication import sweep_remote
 from blockdiff.store.retention import Policy
 from blockdiff.store.views import view_path
 
-seaweedfs, s3_env = objectstore.seaweedfs, objectstore.s3_env
-postgres_server, postgres_url = postgres.postgres_server, postgres.postgres_url
-
 MiB = 1 << 20
 IMAGE = 64 * MiB
 BLOCK = 4096
-
-
-@pytest.fixture
-def host_b_dir(second_xfs, request):
-    path = second_xfs / f"b-{uuid.uuid4().hex[:8]}"
-    path.mkdir()
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture(params=["postgresql", "sqlite"])
-def catalog(request, tmp_path):
-    """Where the hosts' shared catalog is: a database of a real PostgreSQL
-    server, or a SQLite file (store directories on one machine)."""
-    if request.param == "sqlite":
-        return str(tmp_path / "shared-catalog.sqlite")
-    return request.getfixturevalue("postgres_url")
 
 
 @pytest.fixture

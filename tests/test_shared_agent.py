@@ -18,7 +18,6 @@ import sys
 import time
 import uuid
 
-import objectstore
 import pytest
 from test_agent_example import (
     AMOUNTS,
@@ -33,20 +32,17 @@ from test_agent_example import (
     check_consistent,
     describe,
 )
-from test_shared import catalog, postgres_server, postgres_url  # noqa: F401
 
 from blockdiff.agent.agent import Agent, AgentDB, ApprovalPending
 from blockdiff.agent.disks import ImageDisk
 from blockdiff.errors import ThreadBusy
 from blockdiff.store.store import Store
 
-seaweedfs, s3_env = objectstore.seaweedfs, objectstore.s3_env
-
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for loop mounts")
 
 
 @pytest.fixture
-def two_hosts(xfs, second_xfs, catalog, s3_env):  # noqa: F811
+def two_hosts(xfs, second_xfs, catalog, s3_env):
     """Host A's and host B's example environments, one charge service."""
     remote = f"s3://{s3_env.bucket}/{uuid.uuid4().hex}"
     b_root = second_xfs / f"b-{uuid.uuid4().hex[:8]}"
@@ -126,8 +122,8 @@ def test_a_paused_host_is_fenced_off_when_another_took_over(two_hosts):
     check_consistent(b)
 
 
-def test_an_approval_decided_on_another_host_wakes_the_waiting_agent(xfs, second_xfs,  # noqa: F811
-                                                                     catalog, s3_env):  # noqa: F811
+def test_an_approval_decided_on_another_host_wakes_the_waiting_agent(xfs, second_xfs,
+                                                                     catalog, s3_env):
     remote = f"s3://{s3_env.bucket}/{uuid.uuid4().hex}"
     b_root = second_xfs / f"b-{uuid.uuid4().hex[:8]}"
     b_root.mkdir()

@@ -54,15 +54,12 @@ import uuid
 from pathlib import Path
 
 import objectstore
-import postgres
 from objectstore import once_back, point_boto3_at, running_seaweedfs
 
 from blockdiff.errors import BlockdiffError, RemoteError
 from blockdiff.store import Store
 from blockdiff.store.objects import layer_name, map_name
 from blockdiff.store.remote import layer_key, map_key
-
-postgres_server, postgres_url = postgres.postgres_server, postgres.postgres_url
 
 BLOCK = 4096
 IMAGE = 2 << 20

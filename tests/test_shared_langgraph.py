@@ -11,13 +11,9 @@ import sys
 import textwrap
 import uuid
 
-import objectstore
 import pytest
-from test_shared import catalog, postgres_server, postgres_url  # noqa: F401
 
 from blockdiff.store.store import Store
-
-seaweedfs, s3_env = objectstore.seaweedfs, objectstore.s3_env
 
 BLOCK = 4096
 SIZE = 16 * BLOCK
@@ -87,8 +83,8 @@ def run(*args) -> str:
     return done.stdout
 
 
-def test_a_graph_interrupted_on_one_host_finishes_on_another(xfs, second_xfs,  # noqa: F811
-                                                              catalog, s3_env):  # noqa: F811
+def test_a_graph_interrupted_on_one_host_finishes_on_another(xfs, second_xfs,
+                                                              catalog, s3_env):
     remote = f"s3://{s3_env.bucket}/{uuid.uuid4().hex}"
     b_root = second_xfs / f"lg-{uuid.uuid4().hex[:8]}"
     b_root.mkdir()

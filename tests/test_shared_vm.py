@@ -9,15 +9,11 @@ from __future__ import annotations
 import filecmp
 import uuid
 
-import objectstore
 import pytest
-from test_shared import catalog, postgres_server, postgres_url  # noqa: F401
 from test_vm_memory import alive, payload_hash, run, running_step, vm_image  # noqa: F401
 
 from blockdiff.store.store import Store
 from blockdiff.vm.sandbox import Sandbox
-
-seaweedfs, s3_env = objectstore.seaweedfs, objectstore.s3_env
 
 
 @pytest.mark.parametrize("catalog", ["postgresql"], indirect=True)
