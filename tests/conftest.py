@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: real XFS/btrfs/ext4/tmpfs mounts and the bench marker.
+"""Shared pytest fixtures: real XFS/btrfs/ext4/tmpfs mounts, the servers
+(plugins below), the shared-store fixtures and the bench marker.
 
 Fixtures `xfs`, `btrfs`, `ext4`, `tmpfs`, `reflink_fs` (xfs, btrfs) and
 `any_fs` (all four) each give a test its own fresh, empty directory on a
