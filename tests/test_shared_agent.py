@@ -42,11 +42,10 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for loop m
 
 
 @pytest.fixture
-def two_hosts(xfs, second_xfs, catalog, s3_env):
+def two_hosts(xfs, host_b_dir, catalog, s3_env):
     """Host A's and host B's example environments, one charge service."""
     remote = f"s3://{s3_env.bucket}/{uuid.uuid4().hex}"
-    b_root = second_xfs / f"b-{uuid.uuid4().hex[:8]}"
-    b_root.mkdir()
+    b_root = host_b_dir
     Store.init(xfs / "store", catalog=catalog, remote=remote).close()
     Store.init(b_root / "store", catalog=catalog).close()
     # Each host's disk starts blank, as the example's first run expects.
@@ -122,11 +121,10 @@ def test_a_paused_host_is_fenced_off_when_another_took_over(two_hosts):
     check_consistent(b)
 
 
-def test_an_approval_decided_on_another_host_wakes_the_waiting_agent(xfs, second_xfs,
+def test_an_approval_decided_on_another_host_wakes_the_waiting_agent(xfs, host_b_dir,
                                                                      catalog, s3_env):
     remote = f"s3://{s3_env.bucket}/{uuid.uuid4().hex}"
-    b_root = second_xfs / f"b-{uuid.uuid4().hex[:8]}"
-    b_root.mkdir()
+    b_root = host_b_dir
     store_a = Store.init(xfs / "store", catalog=catalog, remote=remote)
     Store.init(b_root / "store", catalog=catalog).close()
     image = xfs / "disk.img"
