@@ -434,6 +434,37 @@ def test_compact_while_the_object_store_is_unreachable_changes_nothing(
         b.close()
 
 
+def test_compacting_a_snapshot_not_uploaded_while_the_object_store_is_unreachable(
+        xfs, host_b_dir, catalog, tmp_path, monkeypatch):
+    """A snapshot not uploaded yet (and the one built on it) needs nothing of
+    the object store to be compacted: compact succeeds with it down (status
+    0, not 14, which says nothing changed), the bytes stay the same, and the
+    snapshots wait for a push as they did; after it, another host restores
+    them."""
+    with hosts_on_their_own_object_store(xfs, host_b_dir, catalog, tmp_path,
+                                         monkeypatch) as (server, a, b):
+        image, keep, rng = start_line(xfs, tmp_path, 16)
+        ids = commit_line(a, image, keep, rng, 2, push=False)
+        assert b.get(ids[1]).map_base == ids[0]
+        before = {s.id: s.map_sha256 for s in b.log()}
+        a.close()
+        server.stop()
+        done = cli("compact", "--store", xfs / "store", ids[0], check=False)
+        assert done.returncode == 0, done.stderr
+        assert b.get(ids[0]).map_sha256 != before[ids[0]]
+        assert b.get(ids[1]).map_base is None                   # written whole
+        assert {p.snapshot: p.state for p in b.placement()} == dict.fromkeys(ids, "pending")
+        for sid in ids:
+            cli("restore", "--store", xfs / "store", sid, tmp_path / f"a-{sid}")
+            assert filecmp.cmp(tmp_path / f"a-{sid}", keep / sid, shallow=False)
+        server.start()
+        done = _retried_while_unreachable("push", "--store", xfs / "store")
+        assert done.returncode == 0, done.stderr
+        assert {p.snapshot: p.state for p in b.placement()} == dict.fromkeys(ids, "durable")
+        _restored_by_b_alone(xfs / "store", b, host_b_dir, ids, keep)
+        b.close()
+
+
 REMOVER = """\
 import json, sys
 from blockdiff.errors import BlockdiffError
