@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockdiff.errors import Conflict, Damaged, RemoteError, UnknownSnapshot
+from blockdiff.errors import Conflict, Damaged, ObjectInTheWay, RemoteError, UnknownSnapshot
 from blockdiff.store.catalog import Catalog, Snapshot
 from blockdiff.store.ids import layer_number
 from blockdiff.store.objects import layer_name, unlink
@@ -115,6 +115,10 @@ def remove(store: StoreState, snaps: list[Snapshot], reasons: dict) -> Removal:
                 if attempt == CONFLICT_RETRIES - 1:
                     raise
                 continue
+            except ObjectInTheWay as e:
+                if attempt == CONFLICT_RETRIES - 1 or not swept_leftover(store, e.path):
+                    raise
+                continue
             except RemoteError as e:
                 done = (f"removed before it: {', '.join(removed)}" if removed
                         else "nothing was removed")
@@ -185,6 +189,18 @@ def gc(store: StoreState, policy, *, now: float | None = None, dry_run: bool = F
     result.bytes_freed += sweep(store)
     store.keep_reserve()
     return result
+
+
+def swept_leftover(store: StoreState, path: Path) -> bool:
+    """Whether ``path``, a file found in ``objects/`` where an operation was
+    placing one, went with a sweep: then no row named it, and it was left by
+    an operation on the same snapshots killed between placing its files and
+    its switch (the maps of the snapshots built on one, written whole from
+    the same maps, have the same names), and the operation may start again.
+    The sweep takes whatever else such operations left, under the exclusive
+    lock: so not under the shared one, which the caller has let go."""
+    sweep(store)
+    return not path.exists()
 
 
 def sweep(store: StoreState) -> int:
