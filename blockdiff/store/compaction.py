@@ -28,20 +28,18 @@ from blockdiff.store.ids import new_id
 from blockdiff.store.layers import chunk_record, file_identity
 from blockdiff.store.maps import SnapshotMap, encode_map, pack_pieces
 from blockdiff.store.objects import unlink
-from blockdiff.store.removal import refuse_lost_references, swept_leftover
+from blockdiff.store.removal import CONFLICT_RETRIES, refuse_lost_references, sweep_in_the_way
 from blockdiff.store.replication import forget_objects, record_uploaded, upload_rewritten
 from blockdiff.store.state import StoreState
 
 
 def compact(store: StoreState, snapshot_id: str, progress: Progress = NO_PROGRESS) -> Snapshot:
     """See ``Store.compact``."""
-    try:
-        return _compact(store, snapshot_id, progress)
-    except ObjectInTheWay as e:
-        # A compaction or removal of this snapshot killed before its switch
-        # left the maps it wrote whole for the snapshots built on it.
-        if not swept_leftover(store, e.path):
-            raise
+    for _ in range(CONFLICT_RETRIES - 1):
+        try:
+            return _compact(store, snapshot_id, progress)
+        except ObjectInTheWay:
+            sweep_in_the_way(store)
     return _compact(store, snapshot_id, progress)
 
 

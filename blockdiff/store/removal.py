@@ -115,9 +115,10 @@ def remove(store: StoreState, snaps: list[Snapshot], reasons: dict) -> Removal:
                 if attempt == CONFLICT_RETRIES - 1:
                     raise
                 continue
-            except ObjectInTheWay as e:
-                if attempt == CONFLICT_RETRIES - 1 or not swept_leftover(store, e.path):
+            except ObjectInTheWay:
+                if attempt == CONFLICT_RETRIES - 1:
                     raise
+                sweep_in_the_way(store)
                 continue
             except RemoteError as e:
                 done = (f"removed before it: {', '.join(removed)}" if removed
@@ -191,16 +192,19 @@ def gc(store: StoreState, policy, *, now: float | None = None, dry_run: bool = F
     return result
 
 
-def swept_leftover(store: StoreState, path: Path) -> bool:
-    """Whether ``path``, a file found in ``objects/`` where an operation was
-    placing one, went with a sweep: then no row named it, and it was left by
-    an operation on the same snapshots killed between placing its files and
-    its switch (the maps of the snapshots built on one, written whole from
-    the same maps, have the same names), and the operation may start again.
-    The sweep takes whatever else such operations left, under the exclusive
-    lock: so not under the shared one, which the caller has let go."""
+def sweep_in_the_way(store: StoreState) -> None:
+    """After an rm or compact found a file in ``objects/`` where it was
+    placing the map it wrote whole for a snapshot built on the one it works
+    on (:class:`ObjectInTheWay`), before it starts again: such a map has the
+    same contents, and so name, whoever writes it from the same map. No row
+    naming it, it was left by an operation on the same snapshot killed
+    between placing its files and its switch, and the sweep removes it (with
+    whatever else such operations left; under the exclusive lock, so not
+    under the shared one, which the caller has let go). A row naming it, the
+    catalog moved on since the operation read it (another host's switch
+    pointed that snapshot at the map, and a restore here fetched it), and
+    the operation, starting again, reads the rows as they are now."""
     sweep(store)
-    return not path.exists()
 
 
 def sweep(store: StoreState) -> int:
