@@ -44,8 +44,20 @@ def pytest_addoption(parser):
                      help="run benchmarks (tests marked 'bench'), skipped by default")
 
 
+# The tiers. A test is marked from the fixtures it uses (its whole closure):
+# `vm` if it needs a guest image, `services` if it needs the session's
+# PostgreSQL or object store; `slow` is set by hand on races, kill matrices
+# and whole-program runs. The fast tier is `-m "not slow and not vm"`.
+VM_FIXTURES = frozenset({"vm_image"})
+SERVICE_FIXTURES = frozenset({"postgres_server", "seaweedfs"})
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "bench: benchmark; skipped unless --run-bench is given")
+    config.addinivalue_line("markers", "vm: boots or restores a real QEMU guest")
+    config.addinivalue_line("markers", "services: uses the session's PostgreSQL or object store")
+    config.addinivalue_line("markers", "slow: a race, a kill matrix or a whole-program run; "
+                                       "left out of the fast tier")
 
 
 def pytest_sessionstart(session):
@@ -73,11 +85,15 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--run-bench"):
-        return
+    run_bench = config.getoption("--run-bench")
     skip_bench = pytest.mark.skip(reason="benchmark; pass --run-bench to run")
     for item in items:
-        if "bench" in item.keywords:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & VM_FIXTURES:
+            item.add_marker(pytest.mark.vm)
+        if fixtures & SERVICE_FIXTURES:
+            item.add_marker(pytest.mark.services)
+        if "bench" in item.keywords and not run_bench:
             item.add_marker(skip_bench)
 
 

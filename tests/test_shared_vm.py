@@ -15,6 +15,8 @@ from test_vm_memory import alive, payload_hash, run, running_step, vm_image  # n
 from blockdiff.store.store import Store
 from blockdiff.vm.sandbox import Sandbox
 
+pytestmark = [pytest.mark.services]
+
 
 @pytest.mark.parametrize("catalog", ["postgresql"], indirect=True)
 def test_a_vm_checkpointed_on_one_host_resumes_on_another(xfs, second_xfs, catalog,  # noqa: F811

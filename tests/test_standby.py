@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+import budget
 import pytest
 import test_store
 from hypothesis import HealthCheck, given, settings
@@ -773,7 +774,7 @@ def test_a_standby_that_cannot_be_trusted_is_not_taken(store, xfs):
     assert standby.failure is None and standby.take(image, SIZE)
 
 
-@settings(max_examples=20, deadline=None,
+@settings(max_examples=budget.examples(20), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1),
        steps=st.lists(st.tuples(st.sampled_from(["prepare", "restore", "checkpoint", "fork",

@@ -5,7 +5,7 @@ or clearly stopped: never hung, half-resumed or unbootable.
 
 The moments are named points inside the library (``BLOCKDIFF_VM_CRASH_AT``,
 see blockdiff.vm.intents) and a few spread over the operation's measured
-duration. ``BLOCKDIFF_VM_SWEEP=full`` sweeps every point with every next
+duration. ``BLOCKDIFF_TEST_BUDGET=full`` sweeps every point with every next
 command and more moments (a soak); the default is a bounded sweep for CI.
 Real QEMU guests (TCG where KVM does not work) on a real XFS store.
 """
@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 
+import budget
 import pytest
 import test_vm
 import test_vm_memory
@@ -31,7 +32,7 @@ from blockdiff.vm.sandbox import Sandbox
 from scenarios import assert_same_bytes
 
 vm_image, store, box = test_vm.vm_image, test_vm.store, test_vm_memory.box
-FULL = os.environ.get("BLOCKDIFF_VM_SWEEP", "small") == "full"
+FULL = budget.FULL
 # Longer than any command here takes under TCG on a loaded machine; a
 # command that takes longer hangs.
 COMMAND_TIMEOUT = 300
