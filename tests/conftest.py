@@ -33,10 +33,11 @@ import filesystems  # noqa: E402
 from filesystems import KINDS, REFLINK_KINDS  # noqa: E402
 
 # The servers' fixtures (`postgres_server`, `postgres_url`, `seaweedfs`,
-# `s3_env`) are plugins, so each server starts once per session: a session
-# fixture imported into a test module is a new fixture of that module, and
-# starts again there.
-pytest_plugins = ["postgres", "objectstore"]
+# `s3_env`) and the guests' (`vm_image`, `vm_store`, `memory_box`) are
+# plugins, so each server starts and the image is checked once per session:
+# a session fixture imported into a test module is a new fixture of that
+# module, and starts again there.
+pytest_plugins = ["postgres", "objectstore", "guests"]
 
 
 def pytest_addoption(parser):

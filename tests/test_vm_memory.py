@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-import test_vm
+from guests import COUNTER, alive, counter, payload_hash, run, running_step
 
 import filesystems
 from blockdiff.errors import Damaged, NoSpace, VMError
@@ -33,44 +33,17 @@ from blockdiff.vm import qemu, reserve
 from blockdiff.vm.integrity import verify_vms
 from blockdiff.vm.sandbox import MEMORY_KEY, Sandbox
 
-# The VM tests' image and store, where pytest looks for fixtures.
-vm_image, store = test_vm.vm_image, test_vm.store
 MiB = 1 << 20
-# A process of the step: counts into /tmp/counter ten times a second. Each
-# count is written beside it and renamed over it: "echo > /tmp/counter"
-# truncates first, and a read (or a checkpoint) between the truncation and the
-# write would find the file empty.
-COUNTER = ("(i=0; while true; do i=$((i+1)); echo $i > /tmp/counter.new; "
-           "mv -f /tmp/counter.new /tmp/counter; sleep 0.1; done) >/dev/null 2>&1 & echo $!")
-# 16 MiB of random bytes in a tmpfs: they live only in guest RAM.
-PAYLOAD = ("mkdir -p /mnt/ram && mount -t tmpfs -o size=32m tmpfs /mnt/ram && "
-           "head -c 16777216 /dev/urandom > /mnt/ram/payload && sha256sum /mnt/ram/payload")
 
 
 @pytest.fixture
-def box(store, vm_image):
-    with Sandbox.create(store, "box", image=vm_image.rootfs) as sandbox:
-        assert sandbox.memory_checkpoints   # the default on a reflink store
-        sandbox.start()
-        yield sandbox
+def store(vm_store):
+    return vm_store
 
 
-def run(sandbox: Sandbox, command: str) -> str:
-    result = sandbox.exec(command, timeout=60)
-    assert result.status == 0, (command, result.stderr)
-    return result.stdout.decode()
-
-
-def counter(sandbox: Sandbox) -> int:
-    return int(run(sandbox, "cat /tmp/counter"))
-
-
-def alive(sandbox: Sandbox, pid: int) -> bool:
-    return sandbox.exec(f"kill -0 {pid}").status == 0
-
-
-def payload_hash(sandbox: Sandbox) -> str:
-    return run(sandbox, "sha256sum /mnt/ram/payload").split()[0]
+@pytest.fixture
+def box(memory_box):
+    return memory_box
 
 
 def runs_qemu_of(pid: int, name: str) -> bool:
@@ -79,15 +52,6 @@ def runs_qemu_of(pid: int, name: str) -> bool:
         return f"blockdiff-{name}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
-
-
-def running_step(sandbox: Sandbox) -> tuple[int, str]:
-    """A counter process and a tmpfs payload; their pid and hash."""
-    pid = int(run(sandbox, COUNTER))
-    digest = run(sandbox, PAYLOAD).split()[0]
-    time.sleep(0.5)
-    assert counter(sandbox) > 0
-    return pid, digest
 
 
 def test_processes_and_their_memory_survive_restore_and_fork(store, box):

@@ -1,0 +1,92 @@
+"""The guests' pytest plugin (loaded by conftest) and the helpers the VM
+tests share: the image every guest boots, a store whose VMs are killed after
+the test, a running whole-VM sandbox, and what a test runs inside a guest.
+
+The image is built once per machine into a cache directory
+(``BLOCKDIFF_TEST_VM_IMAGE``, default ``~/.cache/blockdiff/test-vm``) and
+checked once per session. Tests using ``vm_image`` are marked ``vm``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from blockdiff.store.store import Store
+from blockdiff.vm import qemu
+from blockdiff.vm.image import build_image
+from blockdiff.vm.sandbox import Sandbox
+
+IMAGE_CACHE = Path(os.environ.get("BLOCKDIFF_TEST_VM_IMAGE",
+                                  Path.home() / ".cache" / "blockdiff" / "test-vm"))
+# A process of the step: counts into /tmp/counter ten times a second. Each
+# count is written beside it and renamed over it: "echo > /tmp/counter"
+# truncates first, and a read (or a checkpoint) between the truncation and the
+# write would find the file empty.
+COUNTER = ("(i=0; while true; do i=$((i+1)); echo $i > /tmp/counter.new; "
+           "mv -f /tmp/counter.new /tmp/counter; sleep 0.1; done) >/dev/null 2>&1 & echo $!")
+# 16 MiB of random bytes in a tmpfs: they live only in guest RAM.
+PAYLOAD = ("mkdir -p /mnt/ram && mount -t tmpfs -o size=32m tmpfs /mnt/ram && "
+           "head -c 16777216 /dev/urandom > /mnt/ram/payload && sha256sum /mnt/ram/payload")
+
+
+@pytest.fixture(scope="session")
+def vm_image():
+    """The image the guests boot (rootfs, kernel, initramfs)."""
+    missing = [t for t in (qemu.QEMU, "apt-get", "dpkg-deb", "gcc", "mkfs.ext4", "debugfs")
+               if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"sandbox VMs need {', '.join(missing)} (installed by .ci/setup)")
+    return build_image(IMAGE_CACHE)
+
+
+@pytest.fixture
+def vm_store(xfs):
+    """A store on the test's XFS; every VM left in it is killed at the end."""
+    with Store.init(xfs / "store") as store:
+        yield store
+        for box in Sandbox.list(store):
+            box._kill()
+
+
+@pytest.fixture
+def memory_box(vm_store, vm_image):
+    """A running VM named "box" whose checkpoints hold its RAM and devices."""
+    with Sandbox.create(vm_store, "box", image=vm_image.rootfs) as sandbox:
+        assert sandbox.memory_checkpoints   # the default on a reflink store
+        sandbox.start()
+        yield sandbox
+
+
+def run(sandbox: Sandbox, command: str) -> str:
+    """`command`'s stdout in the guest; it must succeed."""
+    result = sandbox.exec(command, timeout=60)
+    assert result.status == 0, (command, result.stderr)
+    return result.stdout.decode()
+
+
+def counter(sandbox: Sandbox) -> int:
+    return int(run(sandbox, "cat /tmp/counter"))
+
+
+def alive(sandbox: Sandbox, pid: int) -> bool:
+    return sandbox.exec(f"kill -0 {pid}").status == 0
+
+
+def payload_hash(sandbox: Sandbox) -> str:
+    return run(sandbox, "sha256sum /mnt/ram/payload").split()[0]
+
+
+def running_step(sandbox: Sandbox) -> tuple[int, str]:
+    """A counter process and a tmpfs payload; their pid and hash."""
+    pid = int(run(sandbox, COUNTER))
+    digest = run(sandbox, PAYLOAD).split()[0]
+    deadline = time.monotonic() + 30
+    while sandbox.exec("test -s /tmp/counter").status != 0:
+        assert time.monotonic() < deadline, "the counter never counted"
+        time.sleep(0.05)
+    return pid, digest
