@@ -43,17 +43,25 @@ pytest_plugins = ["postgres", "objectstore", "guests"]
 def pytest_addoption(parser):
     parser.addoption("--run-bench", action="store_true", default=False,
                      help="run benchmarks (tests marked 'bench'), skipped by default")
+    parser.addoption("--fast", action="store_true", default=False,
+                     help="the fast tier: leave out the tests marked vm, services or slow, "
+                          "at BLOCKDIFF_TEST_BUDGET=small")
 
 
 # The tiers. A test is marked from the fixtures it uses (its whole closure):
 # `vm` if it needs a guest image, `services` if it needs the session's
 # PostgreSQL or object store; `slow` is set by hand on races, kill matrices
-# and whole-program runs. The fast tier is `-m "not slow and not vm"`.
+# and whole-program runs. The fast tier (`--fast`) leaves all three out and
+# runs the rest at the small budget (tests/budget.py).
 VM_FIXTURES = frozenset({"vm_image"})
 SERVICE_FIXTURES = frozenset({"postgres_server", "seaweedfs"})
+TIERED = frozenset({"vm", "services", "slow"})
 
 
 def pytest_configure(config):
+    if config.getoption("--fast"):
+        # Before any test module imports tests/budget.py, which reads it.
+        os.environ["BLOCKDIFF_TEST_BUDGET"] = "small"
     config.addinivalue_line("markers", "bench: benchmark; skipped unless --run-bench is given")
     config.addinivalue_line("markers", "vm: boots or restores a real QEMU guest")
     config.addinivalue_line("markers", "services: uses the session's PostgreSQL or object store")
@@ -96,6 +104,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.services)
         if "bench" in item.keywords and not run_bench:
             item.add_marker(skip_bench)
+    if config.getoption("--fast"):
+        def tiered(item) -> bool:
+            return any(mark.name in TIERED for mark in item.iter_markers())
+
+        left_out = [item for item in items if tiered(item)]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [item for item in items if not tiered(item)]
 
 
 def _require(kind: str) -> None:

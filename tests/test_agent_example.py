@@ -34,7 +34,8 @@ if str(ROOT) not in sys.path:
 
 from examples.agent_example import EXAMPLE_POINTS, amount_of, charge_tool  # noqa: E402
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for loop mounts")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(os.geteuid() != 0, reason="needs root for loop mounts")]
 
 ORDERS = 4
 MiB = 1 << 20

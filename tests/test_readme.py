@@ -63,7 +63,8 @@ IMAGE_CACHE = Path(os.environ.get("BLOCKDIFF_TEST_VM_IMAGE",
 README_PORT = "8411"
 COMMAND_TIMEOUT = 300
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for loop mounts")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(os.geteuid() != 0, reason="needs root for loop mounts")]
 
 
 # ------------------------------------------------------------ the README

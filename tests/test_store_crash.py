@@ -25,6 +25,8 @@ import hashlib, os, random, sys
 from blockdiff.store.retention import Policy
 from blockdiff.store.store import Store
 
+pytestmark = [pytest.mark.slow]
+
 store = Store(sys.argv[1])
 image, op = sys.argv[2], sys.argv[3]
 rng = random.Random(int(sys.argv[4]))

@@ -457,6 +457,7 @@ def test_negative_ttl_is_refused(store, xfs):
     assert store.log() == []
 
 
+@pytest.mark.slow
 def test_full_disk_names_enospc_and_gc_still_frees_space(fresh_filesystem):
     root = fresh_filesystem("xfs", size=320 * 1024 * 1024)
     Store.init(root / "store").close()

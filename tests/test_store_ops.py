@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import budget
+import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.errors import FlakyFailure
@@ -367,5 +368,6 @@ def test_random_store_operations(xfs):
     _run("StoreOperations", xfs, background=False)
 
 
+@pytest.mark.slow
 def test_random_store_operations_beside_a_sweeping_process(xfs):
     _run("StoreOperationsBesideSweeps", xfs, background=True)
