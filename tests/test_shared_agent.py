@@ -20,7 +20,7 @@ import uuid
 
 import budget
 import pytest
-from test_agent_example import (
+from agentrun import (
     AMOUNTS,
     CRASHES,
     DISK_SIZE,

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import budget
 import pytest
-import test_store
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -39,11 +38,15 @@ from blockdiff.vm.standby import (
     may_raise_priority,
 )
 
-# The store tests' store on a fresh XFS directory, where pytest looks for fixtures.
-store = test_store.store
 PAGE = 4096
 PAGES = 96
 SIZE = PAGES * PAGE
+
+
+@pytest.fixture
+def store(xfs):
+    with Store.init(xfs / "store") as st:
+        yield st
 
 
 def digest(path) -> str:
