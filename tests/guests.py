@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ import pytest
 from blockdiff.store.store import Store
 from blockdiff.vm import qemu
 from blockdiff.vm.image import build_image
-from blockdiff.vm.sandbox import Sandbox
+from blockdiff.vm.sandbox import MEMORY_KEY, Sandbox
 
 IMAGE_CACHE = Path(os.environ.get("BLOCKDIFF_TEST_VM_IMAGE",
                                   Path.home() / ".cache" / "blockdiff" / "test-vm"))
@@ -53,11 +55,55 @@ def vm_store(xfs):
             box._kill()
 
 
+@dataclass(frozen=True)
+class BootedGuest:
+    """A guest booted once per session and checkpointed with its memory,
+    as export files a test's store imports (see ``memory_box``)."""
+
+    checkpoint: str
+    exports: tuple[Path, ...]      # the memory snapshot's, then the disk's
+
+
+@pytest.fixture(scope="session")
+def booted_guest(vm_image, _session_mounts, tmp_path_factory) -> BootedGuest:
+    """The session's one boot of the image: a VM started and checkpointed
+    right after its boot, exported. Each ``memory_box`` resumes a copy."""
+    directory = tmp_path_factory.mktemp("booted-guest")
+    root = Path(tempfile.mkdtemp(prefix="booted-guest-", dir=_session_mounts("xfs")))
+    try:
+        with Store.init(root / "store") as store:
+            with Sandbox.create(store, "box", image=vm_image.rootfs) as sandbox:
+                sandbox.start()
+                checkpoint = sandbox.checkpoint("booted")
+                sandbox._kill()
+            memory = store.get(checkpoint).meta[MEMORY_KEY]
+            exports = (directory / "memory.bdx", directory / "disk.bdx")
+            store.export(memory, exports[0])
+            store.export(checkpoint, exports[1])
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return BootedGuest(checkpoint, exports)
+
+
 @pytest.fixture
-def memory_box(vm_store, vm_image):
-    """A running VM named "box" whose checkpoints hold its RAM and devices."""
-    with Sandbox.create(vm_store, "box", image=vm_image.rootfs) as sandbox:
+def memory_box(vm_store, vm_image, booted_guest):
+    """A running VM named "box" whose checkpoints hold its RAM and devices:
+    the session's booted guest resumed in the test's store (its checkpoint
+    imported there), not a boot of its own."""
+    for export in booted_guest.exports:
+        vm_store.import_(export)
+    with Sandbox.from_checkpoint(vm_store, booted_guest.checkpoint, "box",
+                                 kernel=vm_image.directory) as sandbox:
         assert sandbox.memory_checkpoints   # the default on a reflink store
+        yield sandbox
+
+
+@pytest.fixture
+def booted_memory_box(vm_store, vm_image):
+    """A "box" like ``memory_box``'s, booted in the test's store: for tests
+    of what a VM's first checkpoints and its store's first snapshots are."""
+    with Sandbox.create(vm_store, "box", image=vm_image.rootfs) as sandbox:
+        assert sandbox.memory_checkpoints
         sandbox.start()
         yield sandbox
 

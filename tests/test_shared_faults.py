@@ -63,7 +63,7 @@ from blockdiff.store import Store
 from blockdiff.store.objects import layer_name, map_name
 from blockdiff.store.remote import layer_key, map_key
 
-pytestmark = [pytest.mark.services]
+pytestmark = [pytest.mark.services, pytest.mark.slow]
 
 BLOCK = 4096
 IMAGE = 2 << 20
