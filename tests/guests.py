@@ -120,7 +120,11 @@ def counter(sandbox: Sandbox) -> int:
 
 
 def alive(sandbox: Sandbox, pid: int) -> bool:
-    return sandbox.exec(f"kill -0 {pid}").status == 0
+    """Whether process ``pid`` runs in the guest. A killed orphan stays a
+    zombie until the guest's PID 1 reaps it, and ``kill -0`` still reaches
+    a zombie: one checkpointed before it was reaped is dead, not alive."""
+    state = f"sed 's/.*) //;s/ .*//' /proc/{pid}/stat"
+    return sandbox.exec(f'kill -0 {pid} && [ "$({state})" != Z ]').status == 0
 
 
 def payload_hash(sandbox: Sandbox) -> str:
