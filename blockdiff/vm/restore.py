@@ -119,7 +119,7 @@ def restore(box: Sandbox, snapshot_id: str, *, timeout: float = DEFAULT_BOOT_TIM
                     box.memory_source = "standby"
                 crash_point("restore.taken")
                 resume(box, snap, memory_snap, timeout, written=written,
-                             disk_ahead=disk_ahead)
+                       disk_ahead=disk_ahead)
             tracked = written is not None
             box.last_restore_phases = ({"stop": killed - start, "standby": brought - start}
                                        | box.standby.last_bring
@@ -322,9 +322,9 @@ def from_checkpoint(sandbox_class: type[Sandbox], store: Store | str | os.PathLi
     # Registered with an intent record: the next command on a fork
     # interrupted makes it again (see blockdiff.vm.recovery).
     other = sandbox_class.create(store, name, snapshot=snap.id, kernel=kernel,
-                           memory_mb=memory_mb, cpus=cpus, memory=memory,
-                           progress=progress, _disk_later=memory_snap is not None,
-                           _intent=intents.fork_intent(snap, memory_snap, start, _standby))
+                                 memory_mb=memory_mb, cpus=cpus, memory=memory,
+                                 progress=progress, _disk_later=memory_snap is not None,
+                                 _intent=intents.fork_intent(snap, memory_snap, start, _standby))
     crash_point("fork.registered")
     if memory_snap is not None:
         yielding = _standby.yielding() if _standby is not None else contextlib.nullcontext()
@@ -382,7 +382,7 @@ def _resume_fork(box: Sandbox, snap: Snapshot, memory_snap: Snapshot, standby: S
         disk_ahead = (pool.submit(restore_disk_in_place, box, snap, None)
                       if start and box.disk_source else None)
         resume(box, snap, memory_snap, timeout, start=start, fresh=True,
-                     progress=progress, disk_ahead=disk_ahead)
+               progress=progress, disk_ahead=disk_ahead)
 
 
 def _new_memory_image(box: Sandbox, memory_snap: Snapshot, standby: Standby | None,
