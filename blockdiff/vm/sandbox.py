@@ -57,7 +57,7 @@ from blockdiff.vm import checkpoint as vm_checkpoint
 from blockdiff.vm import intents, recovery, reserve
 from blockdiff.vm import restore as vm_restore
 from blockdiff.vm.checkpoint import LAST_CHECKPOINT, RAN, CheckpointTiming
-from blockdiff.vm.checkpoint import MEMORY_KEY as MEMORY_KEY  # the name callers know it by
+from blockdiff.vm.checkpoint import MEMORY_KEY as MEMORY_KEY  # re-exported for callers
 from blockdiff.vm.guestlink import ExecResult
 from blockdiff.vm.intents import FORK, START
 from blockdiff.vm.machine import DEFAULT_BOOT_TIMEOUT, Machine, fork_waiting
