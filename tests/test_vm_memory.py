@@ -28,8 +28,8 @@ import filesystems
 from blockdiff.errors import Damaged, NoSpace, VMError
 from blockdiff.store.retention import Policy
 from blockdiff.store.store import Store
+from blockdiff.vm import device_state, procs, qemu, reserve
 from blockdiff.vm import machine as machine_module
-from blockdiff.vm import qemu, reserve
 from blockdiff.vm.integrity import verify_vms
 from blockdiff.vm.sandbox import MEMORY_KEY, Sandbox
 
@@ -307,7 +307,7 @@ def test_a_waiting_qemu_leaves_the_memory_image_it_maps_as_it_was(store, box):
     box.machine.start_waiting(image)
     (ready,) = waiting(box)
     time.sleep(1.0)
-    assert machine_module._holds(ready, image, box.disk)
+    assert procs.holds(ready, image, box.disk)
     assert image.read_bytes() == content
     box.machine.kill_waiting()
     assert qemus_of(store, "box") == {box.pid} and image.read_bytes() == content
@@ -353,13 +353,13 @@ def test_a_qemu_killed_during_a_memory_checkpoint_leaves_the_last_one_restorable
     good = box.checkpoint("good")
     nodes = len(store.log())
     run(box, "echo doomed > /doomed")
-    real = machine_module.wait_for_migration
+    real = device_state.wait_for_migration
 
     def dies_while_saving(q, timeout, what):
         os.kill(box.pid, signal.SIGKILL)
         return real(q, timeout, what)
 
-    monkeypatch.setattr(machine_module, "wait_for_migration", dies_while_saving)
+    monkeypatch.setattr(device_state, "wait_for_migration", dies_while_saving)
     with pytest.raises(VMError):
         box.checkpoint("killed")
     monkeypatch.undo()
