@@ -4,7 +4,9 @@ its RAM and device state taken in the same pause (see blockdiff.vm.sandbox).
 :class:`VMCheckpoint` owns the pairing of the two: the disk snapshot's
 metadata names its memory snapshot (``vm.memory``), and only this module
 reads or writes that key. :func:`checkpoint` is :meth:`Sandbox.checkpoint`,
-on the sandbox it is given (whose lock, machine and standby it uses).
+on the sandbox it is given (whose lock, machine and standby it uses). The
+functions take that sandbox as ``box`` without importing its class: it is
+the layer above this one.
 
 Files of the protocol in the VM's directory::
 
@@ -19,7 +21,6 @@ import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from blockdiff.errors import GuestError, UnknownSnapshot, VMError
 from blockdiff.store.catalog import Snapshot
@@ -28,9 +29,6 @@ from blockdiff.store.store import Store
 from blockdiff.vm import intents, reserve
 from blockdiff.vm.guestlink import THAW, GuestLink
 from blockdiff.vm.intents import CHECKPOINT, crash_point
-
-if TYPE_CHECKING:
-    from blockdiff.vm.sandbox import Sandbox
 
 LAST_CHECKPOINT = "last-checkpoint.json"
 RAN = "ran"
@@ -110,7 +108,7 @@ def recorded_machine(memory_snap: Snapshot) -> dict:
     return recorded if isinstance(recorded, dict) else {}
 
 
-def commit_memory_base(box: Sandbox) -> None:
+def commit_memory_base(box) -> None:
     """Commit the RAM a boot wrote (100 MiB or more), paused, as a
     snapshot no checkpoint is (it has no device state): the first
     checkpoint then stores, and pauses the VM for, only what its step
@@ -130,7 +128,7 @@ def commit_memory_base(box: Sandbox) -> None:
             box.machine.resume()
 
 
-def checkpoint(box: Sandbox, message: str = "", meta: dict | None = None,
+def checkpoint(box, message: str = "", meta: dict | None = None,
                ttl: float | None = None, skip_unchanged: bool = False,
                memory: bool | None = None) -> str:
     """Snapshot the disk into the store; returns the snapshot id.
@@ -200,7 +198,7 @@ def checkpoint(box: Sandbox, message: str = "", meta: dict | None = None,
         return snap.id
 
 
-def _commit_paused(box: Sandbox, memory: bool, message: str, meta: dict, ttl: float | None,
+def _commit_paused(box, memory: bool, message: str, meta: dict, ttl: float | None,
                    skip_unchanged: bool, *, disk_in_pause: bool | None = None):
     """The commit of a checkpoint: ``(disk snapshot, memory snapshot or
     None, pause, the memory's capture or None)``.
@@ -267,7 +265,7 @@ def _commit_paused(box: Sandbox, memory: bool, message: str, meta: dict, ttl: fl
     return snap, memory_snap, pause, memory_capture
 
 
-def _memory_meta(box: Sandbox, pause, checkpoint: Snapshot) -> dict:
+def _memory_meta(box, pause, checkpoint: Snapshot) -> dict:
     """The metadata of a memory snapshot: what it is, the machine it can
     be resumed on, the size of the device state behind its RAM, and the
     checkpoint (disk snapshot) it is a part of."""
@@ -276,7 +274,7 @@ def _memory_meta(box: Sandbox, pause, checkpoint: Snapshot) -> dict:
             DEVICE_STATE_KEY: str(pause.device_state), PART_OF: checkpoint.id}
 
 
-def _freeze(box: Sandbox, link: GuestLink, processes: bool = False) -> str:
+def _freeze(box, link: GuestLink, processes: bool = False) -> str:
     """Have the guest flush and freeze its filesystem (and its processes);
     returns what the snapshot's ``vm.flush`` is to say."""
     try:
@@ -294,7 +292,7 @@ def _freeze(box: Sandbox, link: GuestLink, processes: bool = False) -> str:
 # told instead by QEMU's count of the disk's writes, noted right after the
 # thaw and compared after the guest has flushed its page cache.
 
-def _thaw(box: Sandbox, link: GuestLink, snap: Snapshot | None, settle: bool = False) -> None:
+def _thaw(box, link: GuestLink, snap: Snapshot | None, settle: bool = False) -> None:
     frozen_writes = box.machine.disk_writes()  # nothing writes while frozen
     link.thaw(timeout=box.guest_timeout)
     if settle:
@@ -311,7 +309,7 @@ def _thaw(box: Sandbox, link: GuestLink, snap: Snapshot | None, settle: bool = F
         (box.directory / LAST_CHECKPOINT).write_text(json.dumps(note))
 
 
-def _unchanged_since_checkpoint(box: Sandbox, memory: bool = False) -> str | None:
+def _unchanged_since_checkpoint(box, memory: bool = False) -> str | None:
     try:
         note = json.loads((box.directory / LAST_CHECKPOINT).read_text())
     except (OSError, ValueError):

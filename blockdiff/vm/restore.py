@@ -1,7 +1,8 @@
 """Putting a sandbox back to a checkpoint, and starting a new one from a
 checkpoint: :meth:`Sandbox.restore`, :meth:`Sandbox.fork` and
 :meth:`Sandbox.from_checkpoint`, on the sandbox (or the sandbox class) they
-are given, whose lock, machine and standby they use.
+are given, whose lock, machine and standby they use; as ``box``, without
+importing the class, which is the layer above this one.
 
 A checkpoint with memory (see blockdiff.vm.checkpoint) is resumed: its disk
 and memory image put in place, by restoring them or by taking the standby or
@@ -21,7 +22,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from blockdiff.errors import DiskUsedEarly, GuestError, StoreError, VMError
 from blockdiff.progress import NO_PROGRESS, Progress
@@ -32,9 +32,6 @@ from blockdiff.vm.checkpoint import VMCheckpoint, memory_snapshot, recorded_mach
 from blockdiff.vm.intents import RESTORE, crash_point
 from blockdiff.vm.machine import DEFAULT_BOOT_TIMEOUT, Machine
 from blockdiff.vm.standby import Standby
-
-if TYPE_CHECKING:
-    from blockdiff.vm.sandbox import Sandbox
 
 RESUME_FROM = "resume-from"
 # The memory writes of how many checkpoints, and at most how many bytes, are
@@ -68,7 +65,7 @@ class ForkResult:
     prestarted: bool = False   # its QEMU had been started ahead (Machine.start_waiting)
 
 
-def restore(box: Sandbox, snapshot_id: str, *, timeout: float = DEFAULT_BOOT_TIMEOUT,
+def restore(box, snapshot_id: str, *, timeout: float = DEFAULT_BOOT_TIMEOUT,
             disk_only: bool = False) -> RestoreTiming:
     """Put the VM back to a checkpoint.
 
@@ -143,7 +140,7 @@ def restore(box: Sandbox, snapshot_id: str, *, timeout: float = DEFAULT_BOOT_TIM
         return box.last_restore
 
 
-def restore_disk_in_place(box: Sandbox, snap: Snapshot, written) -> tuple[str | None, float]:
+def restore_disk_in_place(box, snap: Snapshot, written) -> tuple[str | None, float]:
     """The disk restored in place (``written`` as for ``Store.restore``):
     its lineage mark then, and the seconds it took."""
     began = time.monotonic()
@@ -151,7 +148,7 @@ def restore_disk_in_place(box: Sandbox, snap: Snapshot, written) -> tuple[str | 
     return box.store.lineage_mark(box.disk), time.monotonic() - began
 
 
-def resume(box: Sandbox, snap: Snapshot, memory_snap: Snapshot, timeout: float, *,
+def resume(box, snap: Snapshot, memory_snap: Snapshot, timeout: float, *,
            start: bool = True, disk: bool = True, written=None,
            fresh: bool = False, progress: Progress = NO_PROGRESS,
            disk_ahead=None) -> None:
@@ -229,7 +226,7 @@ def resume(box: Sandbox, snap: Snapshot, memory_snap: Snapshot, timeout: float, 
         box.standby.prepare(memory_snap.id, snap.id, then=box._start_waiting)
 
 
-def hot_memory(box: Sandbox, memory_snapshot_id: str):
+def hot_memory(box, memory_snapshot_id: str):
     """The parts of the memory image that the last few checkpoints up to
     this one wrote, which the guest likely writes again: their page cache
     is warmed in 4 KiB folios before it runs (see Machine.launch)."""
@@ -239,7 +236,7 @@ def hot_memory(box: Sandbox, memory_snapshot_id: str):
     return None
 
 
-def memory_to_resume(box: Sandbox, snap: Snapshot, machine: Machine) -> Snapshot | None:
+def memory_to_resume(box, snap: Snapshot, machine: Machine) -> Snapshot | None:
     """The memory snapshot of checkpoint ``snap`` (None for a disk-only
     one), if ``machine`` can resume it; VMError saying what to do if not."""
     memory_snap = memory_snapshot(box.store, snap, "restore its disk only")
@@ -248,7 +245,7 @@ def memory_to_resume(box: Sandbox, snap: Snapshot, machine: Machine) -> Snapshot
     return memory_snap
 
 
-def check_machine(box: Sandbox, snap: Snapshot, memory_snap: Snapshot,
+def check_machine(box, snap: Snapshot, memory_snap: Snapshot,
                   machine: Machine) -> None:
     """VMError, saying what to do, unless ``machine`` is the machine the
     memory snapshot was taken on."""
@@ -270,7 +267,7 @@ def check_machine(box: Sandbox, snap: Snapshot, memory_snap: Snapshot,
                   f"{fix}")
 
 
-def _swap_disk(box: Sandbox, snap: Snapshot) -> bool | None:
+def _swap_disk(box, snap: Snapshot) -> bool | None:
     """Restore under the running guest; None if that cannot be done here
     (another size, a copy-mode store that replaces files, a mute guest),
     else whether the dirty bitmap said what to rewrite."""
@@ -292,13 +289,13 @@ def _swap_disk(box: Sandbox, snap: Snapshot) -> bool | None:
     return pause.written is not None
 
 
-def from_checkpoint(sandbox_class: type[Sandbox], store: Store | str | os.PathLike,
+def from_checkpoint(sandbox_class: type, store: Store | str | os.PathLike,
                     snapshot_id: str, name: str, *, start: bool = True,
                     timeout: float = DEFAULT_BOOT_TIMEOUT, disk_only: bool = False,
                     kernel: str | os.PathLike | None = None, memory_mb: int = 256,
                     cpus: int = 1, memory: bool | None = None,
                     progress: Progress = NO_PROGRESS,
-                    _standby: Standby | None = None) -> Sandbox:
+                    _standby: Standby | None = None):
     """A new VM ``name`` from a checkpoint, with no VM of its own needed:
     what :meth:`fork` does, and what another host of a shared store does
     to take a sandbox over (its kernel comes from the snapshot, fetched
@@ -351,7 +348,7 @@ def from_checkpoint(sandbox_class: type[Sandbox], store: Store | str | os.PathLi
     return other
 
 
-def _resume_fork(box: Sandbox, snap: Snapshot, memory_snap: Snapshot, standby: Standby | None,
+def _resume_fork(box, snap: Snapshot, memory_snap: Snapshot, standby: Standby | None,
                  start: bool, timeout: float, progress: Progress) -> None:
     """This new VM's images made from ``standby``'s spares (or a copy of
     its standby, or empty) and resumed from checkpoint ``snap`` with
@@ -385,7 +382,7 @@ def _resume_fork(box: Sandbox, snap: Snapshot, memory_snap: Snapshot, standby: S
                progress=progress, disk_ahead=disk_ahead)
 
 
-def _new_memory_image(box: Sandbox, memory_snap: Snapshot, standby: Standby | None,
+def _new_memory_image(box, memory_snap: Snapshot, standby: Standby | None,
                       spare: bool) -> str:
     """This new VM's memory image, at the size of ``memory_snap``: a
     memory spare of ``standby`` given already (``spare``: "spare"), or

@@ -15,6 +15,9 @@ Files in the VM's directory while one waits::
     waiting.TOKEN.*        a QEMU waiting for the next restore (and
     waiting-fork.TOKEN.*   one for the next fork): its qmp.sock,
                            guestd.sock, qemu.pid and console.log
+
+The functions take the :class:`~blockdiff.vm.machine.Machine` they serve
+as ``machine``, without importing it: it is the layer above.
 """
 
 from __future__ import annotations
@@ -25,13 +28,9 @@ import secrets
 import signal
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from blockdiff.vm.procs import arg_after, command_line, holds, is_qemu, memory_path, wait_exit
 from blockdiff.vm.qemu import PID_FILE, Launch, choose_accel, find_qemu, runtime_names
-
-if TYPE_CHECKING:
-    from blockdiff.vm.machine import Machine
 
 # Before the runtime files of a QEMU waiting for the next restore, then a
 # token of its own: its files are never those of another QEMU, which may
@@ -47,7 +46,7 @@ def fork_waiting(pair: int) -> str:
     return f"{WAITING_FORK}{pair}."
 
 
-def start_waiting(machine: Machine, memory_image: Path, disk: Path | None = None, *,
+def start_waiting(machine, memory_image: Path, disk: Path | None = None, *,
                   kind: str = WAITING) -> None:
     """Have a QEMU wait, paused, with ``-incoming defer``, on
     ``memory_image`` and ``disk`` (the VM's own by default), for the next
@@ -84,7 +83,7 @@ def start_waiting(machine: Machine, memory_image: Path, disk: Path | None = None
         kill_waiting(machine, (prefix,))
 
 
-def waiting_qemus(machine: Machine, kinds=WAITING_KINDS, directory: Path | None = None):
+def waiting_qemus(machine, kinds=WAITING_KINDS, directory: Path | None = None):
     """``(pid, prefix)`` of each QEMU of these kinds (or with these
     prefixes) waiting in this VM's directory (or ``directory``), pid None
     where its process is gone: a QEMU whose command line names its pid
@@ -100,7 +99,7 @@ def waiting_qemus(machine: Machine, kinds=WAITING_KINDS, directory: Path | None 
             yield pid, pid_file.name[:-len(PID_FILE)]
 
 
-def find_waiting(machine: Machine, accel: str, memory_image: Path, disk: Path,
+def find_waiting(machine, accel: str, memory_image: Path, disk: Path,
                  kinds=WAITING_KINDS) -> tuple[int, str] | None:
     """The waiting QEMU of these kinds, if any, that holds the files now
     at ``memory_image`` and ``disk``, started as this machine's launch
@@ -123,7 +122,7 @@ def find_waiting(machine: Machine, accel: str, memory_image: Path, disk: Path,
     return None
 
 
-def start_or_take(machine: Machine, launch: Launch) -> None:
+def start_or_take(machine, launch: Launch) -> None:
     """Start ``launch`` (an incoming one), or take over the waiting QEMU
     that holds the memory image and disk as they are now, its runtime
     files renamed to the usual ones (``took_waiting`` then says so); any
@@ -145,7 +144,7 @@ def start_or_take(machine: Machine, launch: Launch) -> None:
         launch.start()
 
 
-def kill_waiting(machine: Machine, kinds=WAITING_KINDS, *, holding: Path | None = None) -> None:
+def kill_waiting(machine, kinds=WAITING_KINDS, *, holding: Path | None = None) -> None:
     """Kill every QEMU of these kinds waiting in this VM's directory (with
     ``holding``, only those that hold that file), and remove their
     files."""
@@ -160,7 +159,7 @@ def kill_waiting(machine: Machine, kinds=WAITING_KINDS, *, holding: Path | None 
             (machine.directory / name).unlink(missing_ok=True)
 
 
-def forks_waiting(machine: Machine, source: Path) -> list[int]:
+def forks_waiting(machine, source: Path) -> list[int]:
     """The numbers of the pairs of spares in directory ``source`` (another
     VM's) that a fork's QEMU waits on."""
     numbers = []
@@ -171,7 +170,7 @@ def forks_waiting(machine: Machine, source: Path) -> list[int]:
     return numbers
 
 
-def hand_over_waiting(machine: Machine, source: Path) -> bool:
+def hand_over_waiting(machine, source: Path) -> bool:
     """Move the runtime files of the fork's QEMU waiting in directory
     ``source`` (another VM's, whose spares this new VM took) into this
     VM's directory, if it holds this VM's memory image and disk now, for
