@@ -495,7 +495,7 @@ def test_saving_the_device_state_leaves_guest_ram_as_it_is(store, box):
             machine.pause()
             try:
                 before = machine.memory_image.read_bytes()[:machine.ram_bytes]
-                state = machine._saved_device_state(q, machine._start_saving_device_state(q))
+                state = device_state.saved(q, device_state.start_saving(q), machine.vm.name)
                 after = machine.memory_image.read_bytes()[:machine.ram_bytes]
             finally:
                 machine.resume()
