@@ -30,6 +30,8 @@ from blockdiff.store.replication import sweep_remote
 from blockdiff.store.retention import Policy
 from blockdiff.store.views import view_path
 
+pytestmark = [pytest.mark.services]
+
 MiB = 1 << 20
 IMAGE = 64 * MiB
 BLOCK = 4096

@@ -961,6 +961,7 @@ def _removed(store, remover, snapshot_id):
     assert list((store.root / "staging").iterdir()) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("only_changed_pages", [False, True])
 def test_a_removal_of_the_parent_beside_an_open_capture(store, xfs, only_changed_pages):
     # Another process removes a capture's parent (its only snapshot so far)
@@ -1000,6 +1001,7 @@ def test_a_removal_of_the_parent_beside_an_open_capture(store, xfs, only_changed
     assert store.verify() == {}
 
 
+@pytest.mark.slow
 def test_a_removal_of_the_lender_beside_an_open_capture(store, xfs):
     # Another process removes the snapshot a capture borrows pages from
     # while the capture is open, at various moments. Either the capture
