@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 
 from blockdiff import native
-from blockdiff.errors import StoreError
+from blockdiff.errors import ObjectInTheWay
 
 
 def layer_name(layer: int) -> str:
@@ -152,8 +152,9 @@ class ObjectFiles:
         try:
             os.link(staged, final)
         except FileExistsError:
-            raise StoreError(f"{final} already exists; the store will not replace an "
-                             f"object (run: blockdiff verify --store {self.root})") from None
+            raise ObjectInTheWay(f"{final} already exists; the store will not replace an "
+                               f"object (run: blockdiff verify --store {self.root})",
+                               final) from None
         placed.append(final)
         os.unlink(staged)
 
