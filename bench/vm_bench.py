@@ -356,8 +356,8 @@ def run_memory(args, store: Store, base: Path, image, pool_blocks: int, rnd: ran
 def full_ram_save_restore(store: Store, base: Path, image, work: Path):
     """QEMU's own way: the whole RAM migrated to a file while paused, and a
     new QEMU started with -incoming from it. On a VM with anonymous RAM."""
-    from blockdiff.vm.machine import wait_for_migration
     from blockdiff.vm.qemu import Launch
+    from blockdiff.vm.qmp_talk import wait_for_migration
 
     box = Sandbox.create(store, "full-ram", image=base, kernel=image.directory, memory=False)
     box.start()

@@ -96,6 +96,17 @@ class Conflict(StoreError):
     and it may be tried again."""
 
 
+class ObjectInTheWay(StoreError):
+    """A file an operation is placing in a store's ``objects/`` is there
+    already (``path``): left by an operation killed before its catalog
+    switch, which the sweep removes, or named by a row, which the store
+    never replaces."""
+
+    def __init__(self, message: str, path):
+        super().__init__(message)
+        self.path = path
+
+
 class Damaged(BlockdiffError):
     """Data that fails its checks: a layer's checksum, a map, a damaged or
     empty database, a restore that differs from what was committed."""

@@ -33,19 +33,40 @@ import filesystems  # noqa: E402
 from filesystems import KINDS, REFLINK_KINDS  # noqa: E402
 
 # The servers' fixtures (`postgres_server`, `postgres_url`, `seaweedfs`,
-# `s3_env`) are plugins, so each server starts once per session: a session
-# fixture imported into a test module is a new fixture of that module, and
-# starts again there.
-pytest_plugins = ["postgres", "objectstore"]
+# `s3_env`) and the guests' (`vm_image`, `vm_store`, `memory_box`) are
+# plugins, so each server starts and the image is checked once per session:
+# a session fixture imported into a test module is a new fixture of that
+# module, and starts again there.
+pytest_plugins = ["postgres", "objectstore", "guests"]
 
 
 def pytest_addoption(parser):
     parser.addoption("--run-bench", action="store_true", default=False,
                      help="run benchmarks (tests marked 'bench'), skipped by default")
+    parser.addoption("--fast", action="store_true", default=False,
+                     help="the fast tier: leave out the tests marked vm, services or slow, "
+                          "at BLOCKDIFF_TEST_BUDGET=small")
+
+
+# The tiers. A test is marked from the fixtures it uses (its whole closure):
+# `vm` if it needs a guest image, `services` if it needs the session's
+# PostgreSQL or object store; `slow` is set by hand on races, kill matrices
+# and whole-program runs. The fast tier (`--fast`) leaves all three out and
+# runs the rest at the small budget (tests/budget.py).
+VM_FIXTURES = frozenset({"vm_image"})
+SERVICE_FIXTURES = frozenset({"postgres_server", "seaweedfs"})
+TIERED = frozenset({"vm", "services", "slow"})
 
 
 def pytest_configure(config):
+    if config.getoption("--fast"):
+        # Before any test module imports tests/budget.py, which reads it.
+        os.environ["BLOCKDIFF_TEST_BUDGET"] = "small"
     config.addinivalue_line("markers", "bench: benchmark; skipped unless --run-bench is given")
+    config.addinivalue_line("markers", "vm: boots or restores a real QEMU guest")
+    config.addinivalue_line("markers", "services: uses the session's PostgreSQL or object store")
+    config.addinivalue_line("markers", "slow: a race, a kill matrix or a whole-program run; "
+                                       "left out of the fast tier")
 
 
 def pytest_sessionstart(session):
@@ -73,12 +94,24 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--run-bench"):
-        return
+    run_bench = config.getoption("--run-bench")
     skip_bench = pytest.mark.skip(reason="benchmark; pass --run-bench to run")
     for item in items:
-        if "bench" in item.keywords:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & VM_FIXTURES:
+            item.add_marker(pytest.mark.vm)
+        if fixtures & SERVICE_FIXTURES:
+            item.add_marker(pytest.mark.services)
+        if "bench" in item.keywords and not run_bench:
             item.add_marker(skip_bench)
+    if config.getoption("--fast"):
+        def tiered(item) -> bool:
+            return any(mark.name in TIERED for mark in item.iter_markers())
+
+        left_out = [item for item in items if tiered(item)]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [item for item in items if not tiered(item)]
 
 
 def _require(kind: str) -> None:

@@ -8,7 +8,7 @@ import os
 import sqlite3
 
 import pytest
-from test_cli_ux import as_json, cli, error_line, short_prefix
+from clirun import as_json, cli, error_line, short_prefix
 
 from blockdiff.agent import model
 from blockdiff.agent.agent import Agent, AgentDB, EnvironmentChanged, Tool, fork_thread

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from clirun import cli
 
 from blockdiff.engine import diff as engine
 from blockdiff.engine.extents import DATA, ZERO
@@ -19,11 +20,7 @@ SIZE = 2 * 1024 * 1024 + 100
 
 
 def run(*args, ok=True):
-    proc = subprocess.run([sys.executable, "-m", "blockdiff", *map(str, args)],
-                          capture_output=True, text=True)
-    if ok:
-        assert proc.returncode == 0, proc.stderr
-    return proc
+    return cli(*args, code=0 if ok else None)
 
 
 def fails(*args, code, match):

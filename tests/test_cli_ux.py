@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from clirun import as_json, cli, error_line, short_prefix
 
 from blockdiff.agent import agent as agent_module
 from blockdiff.agent.agent import Agent, AgentDB, AmbiguousCheckpoint, UnknownCheckpoint
@@ -22,42 +23,10 @@ BLOCK = 4096
 SIZE = 64 * BLOCK
 
 
-def cli(*args, code=0, env=None):
-    """Run ``blockdiff ARGS``; it must exit with ``code``."""
-    done = subprocess.run([sys.executable, "-m", "blockdiff", *map(str, args)],
-                          capture_output=True, text=True, env=env)
-    assert done.returncode == code, (args, done.returncode, done.stderr)
-    assert "Traceback" not in done.stderr
-    return done
-
-
-def as_json(*args, code=0, env=None):
-    """The one JSON document ``blockdiff ARGS --json`` prints, and nothing
-    else on stdout (json.loads refuses anything around it)."""
-    return json.loads(cli(*args, "--json", code=code, env=env).stdout)
-
-
-def error_line(*args, code):
-    """The single error line of a command that must fail with ``code``."""
-    done = cli(*args, code=code)
-    lines = done.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("blockdiff: error: "), done.stderr
-    assert done.stdout == ""
-    return lines[0]
-
-
 def write_block(path, index, byte):
     with open(path, "r+b") as f:
         f.seek(index * BLOCK)
         f.write(bytes([byte]) * BLOCK)
-
-
-def short_prefix(full: str, others) -> str:
-    """The shortest prefix of ``full``, at least 4 digits, no other id begins with."""
-    for n in range(4, 17):
-        if not any(o != full and o.startswith(full[:n]) for o in others):
-            return full[:n]
-    raise AssertionError(full)
 
 
 SNAPSHOT_KEYS = {"id", "parent", "created", "message", "meta", "size", "changed_bytes",

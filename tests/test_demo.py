@@ -8,7 +8,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from blockdiff.demo import session as demo
+
+pytestmark = [pytest.mark.slow]
 
 
 def test_demo_in_a_directory(xfs, btrfs):

@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 
+import budget
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -408,7 +409,7 @@ _OPS = st.lists(st.tuples(
     st.integers(0, 2 * 1024 * 1024), st.integers(1, 300 * 1024)), min_size=1, max_size=8)
 
 
-@settings(max_examples=60, deadline=None,
+@settings(max_examples=budget.examples(60), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=_OPS, base_size=st.integers(0, 2 * 1024 * 1024), seed=st.integers(0, 2**16))
 def test_random_operation_sequences(xfs, ops, base_size, seed):

@@ -9,6 +9,7 @@ ranges must be sorted, disjoint, block aligned and not wasteful.
 
 from __future__ import annotations
 
+import budget
 import numpy as np
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -98,7 +99,7 @@ def _check_shape(ranges: RangeSet, target_size: int):
     assert not touching.any()
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=budget.examples(400), deadline=None)
 @given(base=extent_layouts(), target=extent_layouts(), data=st.data())
 def test_changed_ranges_rebuild_the_target(base, target, data):
     base_runs, base_size = base
@@ -136,7 +137,7 @@ def test_changed_ranges_rebuild_the_target(base, target, data):
             assert differs[blk] or blk >= limit, f"block {blk} needlessly in a range"
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=budget.examples(200), deadline=None)
 @given(target=extent_layouts())
 def test_without_base_ranges_are_the_data(target):
     runs, size = target
@@ -148,7 +149,7 @@ def test_without_base_ranges_are_the_data(target):
     assert np.array_equal(got, _unit_content(content, size))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=budget.examples(200), deadline=None)
 @given(classes=st.lists(st.integers(0, 2), max_size=64), tail=st.integers(0, BLOCK - 1))
 def test_ranges_from_block_classes(classes, tail):
     classes = np.array(classes, np.uint8)

@@ -437,7 +437,7 @@ def inner_project(tmp_path):
     project = tmp_path / "project"
     project.mkdir()
     for name in ("conftest.py", "filesystems.py", "scenarios.py", "services.py", "postgres.py",
-                 "objectstore.py"):
+                 "objectstore.py", "guests.py"):
         shutil.copy(HERE / name, project / name)
     (project / "pytest.ini").write_text("[pytest]\n")
     (project / "test_inner.py").write_text(INNER_TESTS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import struct
 
+import budget
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -63,7 +64,7 @@ def _read(path):
         os.close(fd)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=budget.examples(150), deadline=None)
 @given(rs=range_sets())
 def test_v2_round_trip(tmp_path_factory, rs):
     ranges, size = rs
@@ -82,7 +83,7 @@ def test_v2_round_trip(tmp_path_factory, rs):
     assert np.all(got.data_pos[data] % np.uint64(BLOCK) == 0)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=budget.examples(150), deadline=None)
 @given(rs=range_sets())
 def test_v1_round_trip_and_exact_layout(tmp_path_factory, rs):
     ranges, size = rs
@@ -261,7 +262,7 @@ def test_v1_table_is_bounded_by_the_file_before_it_is_read(tmp_path):
         _read(path)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=budget.examples(150), deadline=None)
 @given(rs=range_sets(), form=st.sampled_from(fmt.FORMATS), with_base=st.booleans())
 def test_every_registered_format_reads_what_it_writes(tmp_path_factory, rs, form, with_base):
     """Each version's layout, writer and reader agree, and its magic picks it."""

@@ -20,6 +20,7 @@ import shutil
 import struct
 from pathlib import Path
 
+import budget
 import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
@@ -433,7 +434,7 @@ def _write(directory: Path, data: bytes) -> Path:
     return path
 
 
-_FUZZ = settings(max_examples=300, deadline=None,
+_FUZZ = settings(max_examples=budget.examples(300), deadline=None,
                  suppress_health_check=[HealthCheck.function_scoped_fixture,
                                         HealthCheck.too_slow])
 
@@ -467,7 +468,7 @@ def test_readers_on_mutations(seeds, tmp_path, reader, seed, ops, fix):
         check_apply(path, directory / BASE_NAME if with_base else None, tmp_path / "out")
 
 
-@settings(max_examples=100, deadline=None,
+@settings(max_examples=budget.examples(100), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.sampled_from(["seed-v1-base", "seed-v2-full"]),
        offset=st.one_of(st.sampled_from(EXTREMES + [2**64, 2**100]), st.integers(-2**70, 2**70)))

@@ -18,6 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import budget
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -38,7 +39,7 @@ from blockdiff.store.store import Store
 from blockdiff.store.transfer import EXPORT_MAGIC, read_export_record
 
 CORPUS = Path(__file__).parent / "corpus" / "export"
-FUZZ = settings(max_examples=150, deadline=None,
+FUZZ = settings(max_examples=budget.examples(150), deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
                                        HealthCheck.too_slow])
 
@@ -104,7 +105,7 @@ def test_mutated_snapshot_fields_are_checked_or_refused(exported, change):
     assert isinstance(info["created"], (int, float)) and 0 <= info["created"] <= 253402300799
 
 
-@settings(max_examples=60, deadline=None,
+@settings(max_examples=budget.examples(60), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_mutated_exports_import_or_fail_cleanly(exported, data):
@@ -143,7 +144,7 @@ def test_mutated_exports_import_or_fail_cleanly(exported, data):
         assert list(store.staging.iterdir()) == []
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=budget.examples(200), deadline=None)
 @given(data=st.data())
 def test_map_decoder_raises_only_damage(data):
     from blockdiff.engine.extents import ExtentMap, PieceTable
@@ -165,7 +166,7 @@ def test_map_decoder_raises_only_damage(data):
         pass
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=budget.examples(100), deadline=None)
 @given(n=st.integers(0, 300), seed=st.integers(0, 2**32 - 1), delta=st.booleans(),
        chain=st.integers(0, 7))
 def test_map_files_read_as_numpy_reads_them(n, seed, delta, chain):
@@ -241,7 +242,7 @@ def _shown_as_libpq_reads_it(conninfo: str) -> None:
     assert _libpq(shown) == {k: v for k, v in read.items() if k not in SECRET_KEYWORDS}
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=budget.examples(400), deadline=None)
 @given(prefix=st.sampled_from(["postgresql://", "postgres://"]), rest=_URI_PIECES)
 def test_a_catalog_uri_is_scrubbed_and_checked_as_libpq_reads_it(prefix, rest):
     url = prefix + rest
@@ -255,7 +256,7 @@ def test_a_catalog_uri_is_scrubbed_and_checked_as_libpq_reads_it(prefix, rest):
         assert url_fields(url) == read
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=budget.examples(300), deadline=None)
 @given(pairs=st.lists(st.tuples(st.sampled_from(_KEYWORDS), st.text(
     st.sampled_from("a7 '\\=:@"), max_size=8), st.booleans()), max_size=5))
 def test_a_keyword_value_string_is_scrubbed_as_libpq_reads_it(pairs):

@@ -640,6 +640,7 @@ PROCESS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_several_processes_share_one_store(rig):
     names = [f"p{i}" for i in range(4)]
     procs = [subprocess.Popen([sys.executable, "-c", PROCESS, str(rig.store.root),

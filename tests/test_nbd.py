@@ -477,6 +477,7 @@ def test_silent_peer_times_out():
         theirs.close()
 
 
+@pytest.mark.slow
 def test_timing_4_gib_with_5000_runs(qsd):
     size = 4 * GiB
     daemon = qsd(size)

@@ -14,7 +14,6 @@ import termios
 
 import numpy as np
 import pytest
-from test_vm import vm_image  # noqa: F401  (the fixture: the image VMs boot)
 
 from blockdiff import native
 from blockdiff.progress import NO_PROGRESS, Steps
@@ -248,7 +247,7 @@ def test_nothing_on_stderr_when_piped_or_json(cli_store):
 # -------------------------------------------------------------------- VMs
 
 
-def test_vm_create_start_and_fork_report_their_phases(xfs, vm_image):  # noqa: F811
+def test_vm_create_start_and_fork_report_their_phases(xfs, vm_image):
     from blockdiff.vm.sandbox import Sandbox
 
     with Store.init(xfs / "store") as store:

@@ -1,9 +1,12 @@
-"""Every example in README.md runs as written, so the README cannot drift.
+"""Every example in README.md runs as written, so the README cannot drift;
+so do the examples the README hands on to the docs pages (``DOCS_CLAIMED``).
 
 Each ```console block is run command by command (the text after ``$ ``) in
 one bash process, in a scratch directory on a real XFS, and each ```python
-block with ``exec``. Every block is claimed by exactly one test below, by its
-section, so a new example fails until it is run here too.
+block with ``exec``. Every README block is claimed by exactly one test below,
+by its section, so a new example fails until it is run here too; a docs
+page's example is claimed by its page and section (a page's other blocks,
+such as its JSON documents, are not examples to run).
 
 What the README writes and what runs instead (the substitution):
 
@@ -58,12 +61,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 IMAGE_CACHE = Path(os.environ.get("BLOCKDIFF_TEST_VM_IMAGE",
                                   Path.home() / ".cache" / "blockdiff" / "test-vm"))
 README_PORT = "8411"
 COMMAND_TIMEOUT = 300
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for loop mounts")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(os.geteuid() != 0, reason="needs root for loop mounts")]
 
 
 # ------------------------------------------------------------ the README
@@ -77,9 +82,10 @@ class Block:
     line: int
 
 
-def readme_blocks() -> list[Block]:
+def readme_blocks(document: Path = README) -> list[Block]:
+    """The fenced blocks of ``document``, each with its ``## `` section."""
     blocks, section, lang, start, body = [], "", None, 0, []
-    for number, line in enumerate(README.read_text().splitlines(), 1):
+    for number, line in enumerate(document.read_text().splitlines(), 1):
         if lang is None:
             if line.startswith("## "):
                 section = line[3:].strip()
@@ -93,21 +99,29 @@ def readme_blocks() -> list[Block]:
     return blocks
 
 
-def block(lang: str, section: str) -> Block:
-    found = [b for b in readme_blocks() if b.lang == lang and b.section == section]
-    assert len(found) == 1, f"expected one {lang} block in README section {section!r}"
+def block(lang: str, section: str, document: Path = README) -> Block:
+    found = [b for b in readme_blocks(document) if b.lang == lang and b.section == section]
+    assert len(found) == 1, (
+        f"expected one {lang} block in {document.relative_to(ROOT)} section {section!r}")
     return found[0]
 
 
 # The README's examples, by section, and the test that runs each.
 CLAIMED = {
     ("console", "Command line"): "test_command_line_example",
+    ("console", "Snapshot store"): "test_snapshot_store_console_example",
     ("console", "Sandbox VMs"): "test_sandbox_vm_console_example",
-    ("python", "Sandbox VMs"): "test_sandbox_and_agent_python_examples",
-    ("console", "Agent checkpoints"): "test_agent_example_with_the_charge_service",
     ("python", "Agent checkpoints"): "test_sandbox_and_agent_python_examples",
     ("python", "Library"): "test_library_python_example",
     ("console", "Several hosts"): "test_several_hosts_console_example",
+}
+
+# The examples the README leaves to a docs page, by page and section.
+VM_PYTHON = (DOCS / "vm.md", "python", "From Python")
+AGENT_CONSOLE = (DOCS / "agent.md", "console", "The example agent")
+DOCS_CLAIMED = {
+    VM_PYTHON: "test_sandbox_and_agent_python_examples",
+    AGENT_CONSOLE: "test_agent_example_with_the_charge_service",
 }
 
 
@@ -115,7 +129,9 @@ def test_every_example_in_the_readme_is_run_here():
     found = {(b.lang, b.section) for b in readme_blocks() if b.lang in ("console", "python")}
     assert found == set(CLAIMED), "a README example is not run by tests/test_readme.py"
     names = set(globals())
-    assert set(CLAIMED.values()) <= names
+    assert set(CLAIMED.values()) | set(DOCS_CLAIMED.values()) <= names
+    for document, lang, section in DOCS_CLAIMED:
+        block(lang, section, document)
     # Nothing else fenced goes unchecked by accident.
     assert {b.lang for b in readme_blocks()} <= {"console", "python"}
 
@@ -376,9 +392,19 @@ def test_command_line_example(xfs):
         assert subprocess.run(["cmp", str(xfs / name), str(xfs / "disk.img")]).returncode == 0
 
 
+def test_snapshot_store_console_example(xfs):
+    with session(xfs) as s:
+        s.run_block(block("console", "Snapshot store").text)
+    sandboxes = xfs / "srv" / "sandboxes"
+    assert (sandboxes / "disk.img").read_bytes()[:4096 * 2] == \
+        b"step 1\n".ljust(4096 * 2, b"\0")
+    assert (sandboxes / "branch.img").read_bytes()[4096:4096 + 7] == b"step 2\n"
+
+
 def test_agent_example_with_the_charge_service(xfs):
+    document, lang, section = AGENT_CONSOLE
     with session(xfs, _free_port()) as s:
-        s.run_block(block("console", "Agent checkpoints").text)
+        s.run_block(block(lang, section, document).text)
 
 
 def _vm_image():
@@ -450,7 +476,7 @@ def _python(source: str, scratch: Path) -> str:
 
 
 def test_sandbox_and_agent_python_examples(xfs, monkeypatch):
-    """The Sandbox example as written, on a store made first (as the console
+    """The Sandbox example of docs/vm.md as written, on a store made first (as the console
     example's ``blockdiff init`` does); then the Agent example with ``box``
     that sandbox started again, and ``pay``, ``lookup`` and ``refund`` a
     payment client kept in memory. Its run stops for the approval; approved,
@@ -465,7 +491,8 @@ def test_sandbox_and_agent_python_examples(xfs, monkeypatch):
     monkeypatch.chdir(xfs)
     scope: dict = {}
     try:
-        exec(compile(_python(block("python", "Sandbox VMs").text, xfs), "README.md", "exec"),
+        document, lang, section = VM_PYTHON
+        exec(compile(_python(block(lang, section, document).text, xfs), "docs/vm.md", "exec"),
              scope)
         assert scope["other"].exec("cat /work/notes").stdout == b"hi\n"
 

@@ -364,6 +364,7 @@ def test_list_and_delete(remote, tmp_path, monkeypatch):
     assert remote.stat("maps/b.map") is None
 
 
+@pytest.mark.services
 def test_a_server_killed_mid_transfer_leaves_nothing_under_the_final_name(
         tmp_path, monkeypatch):
     from objectstore import unavailable_reason

@@ -22,13 +22,15 @@ import postgres
 import pytest
 from objectstore import once_back, point_boto3_at, running_seaweedfs
 
-from blockdiff.errors import Damaged, RemoteError, StoreError, UsageError
+from blockdiff.errors import Damaged, RemoteError, StoreError, UnknownSnapshot, UsageError
 from blockdiff.store import Store
 from blockdiff.store.objects import layer_name
 from blockdiff.store.remote import layer_key
 from blockdiff.store.replication import sweep_remote
 from blockdiff.store.retention import Policy
 from blockdiff.store.views import view_path
+
+pytestmark = [pytest.mark.services]
 
 MiB = 1 << 20
 IMAGE = 64 * MiB
@@ -329,6 +331,58 @@ def _retried_while_unreachable(*args, seconds: float = 60.0) -> subprocess.Compl
         time.sleep(0.5)
 
 
+def test_the_host_whose_removal_of_a_snapshot_comes_second_says_it_is_gone(
+        hosts, xfs, tmp_path, monkeypatch):
+    """Both hosts remove the tip (no map builds on it) at once, A's switch
+    landing while B's removal is between reading its rows and its own: B's
+    finds the row gone and says so; it does not say it removed it too."""
+    from blockdiff.store import removal
+    a, b = hosts
+    image, keep, rng = start_line(xfs, tmp_path, 17)
+    first, tip = commit_line(a, image, keep, rng, 2)
+    upload_rewritten, raced = removal.upload_rewritten, []
+
+    def a_removes_it_first(store, *args):
+        if store is b and not raced:
+            raced.append(a.rm(tip).removed)
+        return upload_rewritten(store, *args)
+
+    monkeypatch.setattr(removal, "upload_rewritten", a_removes_it_first)
+    with pytest.raises(UnknownSnapshot, match="removed by another process or host"):
+        b.rm(tip)
+    assert raced == [[tip]]
+    assert [s.id for s in b.log()] == [first]
+    b.restore(first, tmp_path / "first")
+    assert filecmp.cmp(tmp_path / "first", keep / first, shallow=False)
+
+
+def test_a_removal_overtaken_by_the_other_hosts_finds_the_whole_map_fetched_here(
+        hosts, xfs, host_b_dir, tmp_path, monkeypatch):
+    """B's removal of a snapshot has read which map builds on it and is
+    writing that one whole when A's removal of it switches, and a restore on
+    B fetches the map A wrote whole, the same file B's would be: B's removal
+    starts again, finds the snapshot gone and says so."""
+    a, b = hosts
+    image, keep, rng = start_line(xfs, tmp_path, 18)
+    first, second, third = commit_line(a, image, keep, rng, 3)
+    assert b.get(third).map_base == second
+    write, raced = b.maps.files.write, []
+
+    def overtaken(path, data):
+        if path.name.endswith("whole.map") and not raced:
+            raced.append(cli("rm", "--store", a.root, second).returncode)
+            b.restore(third, host_b_dir / "third")
+        return write(path, data)
+
+    monkeypatch.setattr(b.maps.files, "write", overtaken)
+    with pytest.raises(UnknownSnapshot, match="removed by another process or host"):
+        b.rm(second)
+    assert raced == [0]
+    assert b.get(third).map_base is None
+    assert filecmp.cmp(host_b_dir / "third", keep / third, shallow=False)
+    assert b.verify() == {}
+
+
 def test_rm_while_the_object_store_is_unreachable_never_makes_a_snapshot_non_durable(
         xfs, host_b_dir, catalog, tmp_path, monkeypatch):
     """Removing a parent rewrites its children's maps whole: a child that
@@ -429,6 +483,37 @@ def test_compact_while_the_object_store_is_unreachable_changes_nothing(
         done = _retried_while_unreachable("compact", "--store", xfs / "store", ids[1])
         assert done.returncode == 0, done.stderr
         assert b.get(ids[1]).map_sha256 != maps[ids[1]]
+        assert {p.snapshot: p.state for p in b.placement()} == dict.fromkeys(ids, "durable")
+        _restored_by_b_alone(xfs / "store", b, host_b_dir, ids, keep)
+        b.close()
+
+
+def test_compacting_a_snapshot_not_uploaded_while_the_object_store_is_unreachable(
+        xfs, host_b_dir, catalog, tmp_path, monkeypatch):
+    """A snapshot not uploaded yet (and the one built on it) needs nothing of
+    the object store to be compacted: compact succeeds with it down (status
+    0, not 14, which says nothing changed), the bytes stay the same, and the
+    snapshots wait for a push as they did; after it, another host restores
+    them."""
+    with hosts_on_their_own_object_store(xfs, host_b_dir, catalog, tmp_path,
+                                         monkeypatch) as (server, a, b):
+        image, keep, rng = start_line(xfs, tmp_path, 16)
+        ids = commit_line(a, image, keep, rng, 2, push=False)
+        assert b.get(ids[1]).map_base == ids[0]
+        before = {s.id: s.map_sha256 for s in b.log()}
+        a.close()
+        server.stop()
+        done = cli("compact", "--store", xfs / "store", ids[0], check=False)
+        assert done.returncode == 0, done.stderr
+        assert b.get(ids[0]).map_sha256 != before[ids[0]]
+        assert b.get(ids[1]).map_base is None                   # written whole
+        assert {p.snapshot: p.state for p in b.placement()} == dict.fromkeys(ids, "pending")
+        for sid in ids:
+            cli("restore", "--store", xfs / "store", sid, tmp_path / f"a-{sid}")
+            assert filecmp.cmp(tmp_path / f"a-{sid}", keep / sid, shallow=False)
+        server.start()
+        done = _retried_while_unreachable("push", "--store", xfs / "store")
+        assert done.returncode == 0, done.stderr
         assert {p.snapshot: p.state for p in b.placement()} == dict.fromkeys(ids, "durable")
         _restored_by_b_alone(xfs / "store", b, host_b_dir, ids, keep)
         b.close()

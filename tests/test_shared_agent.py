@@ -18,8 +18,9 @@ import sys
 import time
 import uuid
 
+import budget
 import pytest
-from test_agent_example import (
+from agentrun import (
     AMOUNTS,
     CRASHES,
     DISK_SIZE,
@@ -38,7 +39,8 @@ from blockdiff.agent.disks import ImageDisk
 from blockdiff.errors import ThreadBusy
 from blockdiff.store.store import Store
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for loop mounts")
+pytestmark = [pytest.mark.services,
+              pytest.mark.skipif(os.geteuid() != 0, reason="needs root for loop mounts")]
 
 
 @pytest.fixture
@@ -188,15 +190,14 @@ def test_a_thread_held_on_one_host_is_refused_on_another_until_its_lease_ends(tw
 
 # Each point of the step protocol a run of two orders passes, and which pass
 # stops host A: by default the one in order 2's step (order 1 charged
-# before it); BLOCKDIFF_STOP_SWEEP=full stops at every pass (order 1's, and
+# before it); BLOCKDIFF_TEST_BUDGET=full stops at every pass (order 1's, and
 # the thread's first checkpoint) as well.
 STOP_ORDERS = 2
 STOP_PASSES = {"sandbox.partial": (1, 2), "sandbox.written": (1, 2), "call.intent": (1, 2),
                "call.ran": (1, 2), "call.recorded": (1, 2), "checkpoint.disk": (1, 2, 3),
                "checkpoint.recorded": (1, 2, 3)}
-_FULL = os.environ.get("BLOCKDIFF_STOP_SWEEP") == "full"
 STOPS = [(point, n, rewind) for point, passes in STOP_PASSES.items()
-         for n in (passes if _FULL else passes[-1:]) for rewind in (False, True)
+         for n in (passes if budget.FULL else passes[-1:]) for rewind in (False, True)
          # Stopped before its first checkpoint, the thread has nothing to rewind.
          if not (rewind and point.startswith("checkpoint.") and n == 1)]
 

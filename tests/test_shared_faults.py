@@ -34,9 +34,9 @@ on its steps, so hypothesis's replay and shrinking would only call a
 failure flaky. Each run prints its seed and logs every step; a failure
 names the step, and the seed replays the same steps.
 
-Budget: ``BLOCKDIFF_FAULT_STEPS`` steps (default 24, about two minutes
-here), ``BLOCKDIFF_FAULT_SEED`` to replay a run; a soak run sets, say,
-``BLOCKDIFF_FAULT_STEPS=2000``.
+Budget: 24 steps in CI (about two minutes here), 6 at
+``BLOCKDIFF_TEST_BUDGET=small``, 2000 at ``full`` (a soak; see tests/budget.py);
+``BLOCKDIFF_FAULT_SEED`` replays a run.
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ import types
 import uuid
 from pathlib import Path
 
+import budget
 import objectstore
+import pytest
 from objectstore import once_back, point_boto3_at, running_seaweedfs
 
 from blockdiff.errors import BlockdiffError, RemoteError
@@ -61,9 +63,11 @@ from blockdiff.store import Store
 from blockdiff.store.objects import layer_name, map_name
 from blockdiff.store.remote import layer_key, map_key
 
+pytestmark = [pytest.mark.services, pytest.mark.slow]
+
 BLOCK = 4096
 IMAGE = 2 << 20
-STEPS = int(os.environ.get("BLOCKDIFF_FAULT_STEPS", "24"))
+STEPS = budget.steps(small=6, ci=24, full=2000)
 MAX_SNAPSHOTS = 8
 # A killed command gets SIGKILL this long after it starts, at most: a
 # command takes 1-2 s here, most of it starting the interpreter.

@@ -15,6 +15,8 @@ import pytest
 
 from blockdiff.store.store import Store
 
+pytestmark = [pytest.mark.services]
+
 BLOCK = 4096
 SIZE = 16 * BLOCK
 

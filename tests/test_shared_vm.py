@@ -10,15 +10,17 @@ import filecmp
 import uuid
 
 import pytest
-from test_vm_memory import alive, payload_hash, run, running_step, vm_image  # noqa: F401
+from guests import alive, payload_hash, run, running_step
 
 from blockdiff.store.store import Store
 from blockdiff.vm.sandbox import Sandbox
 
+pytestmark = [pytest.mark.services]
+
 
 @pytest.mark.parametrize("catalog", ["postgresql"], indirect=True)
 def test_a_vm_checkpointed_on_one_host_resumes_on_another(xfs, second_xfs, catalog,  # noqa: F811
-                                                          s3_env, vm_image):  # noqa: F811
+                                                          s3_env, vm_image):
     b_root = second_xfs / f"vm-{uuid.uuid4().hex[:8]}"
     b_root.mkdir()
     a = Store.init(xfs / "store", catalog=catalog, remote=f"s3://{s3_env.bucket}/"

@@ -18,8 +18,8 @@ import threading
 import time
 from pathlib import Path
 
+import budget
 import pytest
-import test_store
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -38,11 +38,15 @@ from blockdiff.vm.standby import (
     may_raise_priority,
 )
 
-# The store tests' store on a fresh XFS directory, where pytest looks for fixtures.
-store = test_store.store
 PAGE = 4096
 PAGES = 96
 SIZE = PAGES * PAGE
+
+
+@pytest.fixture
+def store(xfs):
+    with Store.init(xfs / "store") as st:
+        yield st
 
 
 def digest(path) -> str:
@@ -773,7 +777,7 @@ def test_a_standby_that_cannot_be_trusted_is_not_taken(store, xfs):
     assert standby.failure is None and standby.take(image, SIZE)
 
 
-@settings(max_examples=20, deadline=None,
+@settings(max_examples=budget.examples(20), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1),
        steps=st.lists(st.tuples(st.sampled_from(["prepare", "restore", "checkpoint", "fork",

@@ -20,6 +20,7 @@ import scenarios
 from blockdiff.engine.extents import PieceTable, RangeSet, overlay, pieces_within
 from blockdiff.errors import Damaged, Unsupported
 from blockdiff.store.ids import layer_number
+from blockdiff.store.objects import layer_name
 from blockdiff.store.store import LINEAGE_XATTR, ImageBusy, Store, StoreError, UnknownSnapshot
 from scenarios import SCENARIOS, make_base_image
 
@@ -812,6 +813,53 @@ def test_removing_or_compacting_a_map_others_build_on(store, xfs, operation):
     assert store.get(store.commit(image).id).map_base == snaps[-1].id
 
 
+# Runs rm or compact on a snapshot in a process that dies (as if SIGKILLed)
+# between placing its files in objects/ and its catalog switch.
+_KILLED_BEFORE_THE_SWITCH = """
+import os, sys
+from blockdiff.store import Store, compaction, removal
+def die(*args, **kwargs):
+    os._exit(9)
+compaction.upload_rewritten = removal.upload_rewritten = die
+getattr(Store(sys.argv[1]), sys.argv[2])(sys.argv[3])
+"""
+
+
+@pytest.mark.parametrize("killed, again", [("rm", "rm"), ("compact", "compact"),
+                                           ("compact", "rm"), ("rm", "compact")])
+def test_rm_or_compact_again_after_one_killed_before_its_switch(store, xfs, killed, again):
+    """The killed operation left the maps it wrote whole for the snapshots
+    built on the victim; the same maps written again have the same names.
+    The next rm or compact of it sweeps them away and does its work."""
+    image, snaps, digests = _line(store, xfs, 4, blocks=20)
+    victim = snaps[1]
+    branch = xfs / "branch.img"
+    store.restore(victim.id, branch)
+    write_blocks(branch, 7, seed=9)
+    snaps.append(store.commit(branch))
+    digests.append(digest(branch))
+    assert {d.id for d in store.catalog.map_dependents(victim.id)} == {snaps[2].id,
+                                                                        snaps[4].id}
+    done = subprocess.run([sys.executable, "-c", _KILLED_BEFORE_THE_SWITCH, str(store.root),
+                           killed, victim.id], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 9, done.stderr
+    assert store.catalog.map_dependents(victim.id) != []      # nothing switched
+    with Store(store.root) as other:           # as the next process would write them
+        getattr(other, again)(victim.id)
+        assert other.catalog.map_dependents(victim.id) == []
+        for i, snap in enumerate(snaps):
+            if again == "rm" and snap is victim:
+                continue
+            out = xfs / f"x{i}.img"
+            other.restore(snap.id, out)
+            assert digest(out) == digests[i], i
+            out.unlink()
+        assert other.verify() == {}
+        named = {other.map_path(s).name for s in other.log()}
+        named |= {layer_name(layer) for layer in other.catalog.layer_ids()}
+        assert {p.name for p in (store.root / "objects").iterdir()} == named
+
+
 def test_a_damaged_base_map_is_named(store, xfs):
     image, snaps, _ = _line(store, xfs, 3)
     path = store.map_path(snaps[1])
@@ -913,6 +961,7 @@ def _removed(store, remover, snapshot_id):
     assert list((store.root / "staging").iterdir()) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("only_changed_pages", [False, True])
 def test_a_removal_of_the_parent_beside_an_open_capture(store, xfs, only_changed_pages):
     # Another process removes a capture's parent (its only snapshot so far)
@@ -952,6 +1001,7 @@ def test_a_removal_of_the_parent_beside_an_open_capture(store, xfs, only_changed
     assert store.verify() == {}
 
 
+@pytest.mark.slow
 def test_a_removal_of_the_lender_beside_an_open_capture(store, xfs):
     # Another process removes the snapshot a capture borrows pages from
     # while the capture is open, at various moments. Either the capture

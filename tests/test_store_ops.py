@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import budget
+import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.errors import FlakyFailure
@@ -55,7 +57,7 @@ DAY = 86400.0
 # did meanwhile, and the background sweep (at the real time) expires none.
 GC_LATER = 2 * DAY
 
-SETTINGS = settings(max_examples=15, stateful_step_count=25, deadline=None,
+SETTINGS = settings(max_examples=budget.examples(15), stateful_step_count=25, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 # Beside another process a failure depends on the interleaving as well as on
 # the steps: replaying or shrinking it would only report it as flaky, so the
@@ -366,5 +368,6 @@ def test_random_store_operations(xfs):
     _run("StoreOperations", xfs, background=False)
 
 
+@pytest.mark.slow
 def test_random_store_operations_beside_a_sweeping_process(xfs):
     _run("StoreOperationsBesideSweeps", xfs, background=True)

@@ -36,6 +36,8 @@ from blockdiff.store.store import Store
 from scenarios import make_base_image
 from sweeper import SWEEPER
 
+pytestmark = [pytest.mark.slow]
+
 BLOCK = 4096
 SIZE = 8 * 1024 * 1024
 CALL_TIMEOUT = 30      # seconds one command may take before it counts as hung

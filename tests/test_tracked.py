@@ -8,6 +8,7 @@ import ctypes
 import os
 import random
 
+import budget
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -224,7 +225,7 @@ def _per_block(emap: ExtentMap):
     return out
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=budget.examples(300), deadline=None)
 @given(maps_and_ranges(), st.integers(0, 2**20))
 def test_remap_splices_fresh_extents_into_the_base(case, seed):
     base, offsets, lengths = case

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from guests import IMAGE_CACHE
 
 from blockdiff.errors import GuestTimeout, UnknownVM
 from blockdiff.store.store import Store, UnknownSnapshot
@@ -30,8 +31,6 @@ from blockdiff.vm.registry import Registry
 from blockdiff.vm.sandbox import Sandbox
 from scenarios import assert_same_bytes
 
-IMAGE_CACHE = Path(os.environ.get("BLOCKDIFF_TEST_VM_IMAGE",
-                                  Path.home() / ".cache" / "blockdiff" / "test-vm"))
 LISTING = "cd /work 2>/dev/null && find . -type f | sort | xargs -r md5sum"
 
 
@@ -43,21 +42,9 @@ def _cli(*args, env=None, check=False):
     return done
 
 
-@pytest.fixture(scope="session")
-def vm_image():
-    missing = [t for t in (qemu.QEMU, "apt-get", "dpkg-deb", "gcc", "mkfs.ext4", "debugfs")
-               if shutil.which(t) is None]
-    if missing:
-        pytest.skip(f"sandbox VMs need {', '.join(missing)} (installed by .ci/setup)")
-    return build_image(IMAGE_CACHE)
-
-
 @pytest.fixture
-def store(xfs):
-    with Store.init(xfs / "store") as st:
-        yield st
-        for box in Sandbox.list(st):
-            box._kill()
+def store(vm_store):
+    return vm_store
 
 
 @pytest.fixture

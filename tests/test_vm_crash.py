@@ -5,7 +5,7 @@ or clearly stopped: never hung, half-resumed or unbootable.
 
 The moments are named points inside the library (``BLOCKDIFF_VM_CRASH_AT``,
 see blockdiff.vm.intents) and a few spread over the operation's measured
-duration. ``BLOCKDIFF_VM_SWEEP=full`` sweeps every point with every next
+duration. ``BLOCKDIFF_TEST_BUDGET=full`` sweeps every point with every next
 command and more moments (a soak); the default is a bounded sweep for CI.
 Real QEMU guests (TCG where KVM does not work) on a real XFS store.
 """
@@ -19,10 +19,9 @@ import subprocess
 import sys
 import time
 
+import budget
 import pytest
-import test_vm
-import test_vm_memory
-from test_vm_memory import COUNTER, PAYLOAD
+from guests import COUNTER, PAYLOAD, run
 
 from blockdiff.errors import GuestTimeout
 from blockdiff.vm import guestlink
@@ -30,8 +29,18 @@ from blockdiff.vm.intents import CRASH_ENV
 from blockdiff.vm.sandbox import Sandbox
 from scenarios import assert_same_bytes
 
-vm_image, store, box = test_vm.vm_image, test_vm.store, test_vm_memory.box
-FULL = os.environ.get("BLOCKDIFF_VM_SWEEP", "small") == "full"
+
+@pytest.fixture
+def store(vm_store):
+    return vm_store
+
+
+@pytest.fixture
+def box(memory_box):
+    return memory_box
+
+
+FULL = budget.FULL
 # Longer than any command here takes under TCG on a loaded machine; a
 # command that takes longer hangs.
 COMMAND_TIMEOUT = 300
@@ -147,9 +156,9 @@ def assert_stopped_at(store, name: str, snapshot_id: str, scratch) -> None:
 def checkpointed_step(box, marker: str) -> tuple[int, str, str]:
     """A running step (a counter, a payload in tmpfs, a file on disk)
     checkpointed whole: its counter's pid, payload's hash and checkpoint."""
-    pid = int(test_vm_memory.run(box, COUNTER))
-    digest = test_vm_memory.run(box, PAYLOAD).split()[0]
-    test_vm_memory.run(box, f"echo {marker} > /step && sync")
+    pid = int(run(box, COUNTER))
+    digest = run(box, PAYLOAD).split()[0]
+    run(box, f"echo {marker} > /step && sync")
     checkpoint = box.checkpoint(marker)
     assert box.last_checkpoint.memory
     box.standby.wait()
@@ -208,7 +217,7 @@ def cases(points: list[str]) -> list[tuple[str, str]]:
 
 def test_a_killed_restore_is_finished_by_the_next_command(store, box, tmp_path):
     pid, digest, checkpoint = checkpointed_step(box, "restored-step")
-    test_vm_memory.run(box, f"kill {pid}; echo later > /step")
+    run(box, f"kill {pid}; echo later > /step")
     for point, which in cases(RESTORE_POINTS):
         done = cli(store, "vm", "restore", "box", checkpoint, crash_at=point)
         assert done.returncode == -signal.SIGKILL, (point, done.stderr)
@@ -243,7 +252,7 @@ def test_a_killed_restore_is_finished_by_the_next_command(store, box, tmp_path):
 def test_a_killed_restore_then_stop_leaves_it_stopped_at_the_checkpoint(store, box,
                                                                         tmp_path):
     pid, digest, checkpoint = checkpointed_step(box, "restored-step")
-    test_vm_memory.run(box, f"kill {pid}; echo later > /step")
+    run(box, f"kill {pid}; echo later > /step")
     done = cli(store, "vm", "restore", "box", checkpoint, crash_at="resume.loaded")
     assert done.returncode == -signal.SIGKILL, done.stderr
     # QEMU holds the device state, paused: what it is, not "running".
@@ -263,7 +272,7 @@ def test_a_killed_disk_swap_leaves_the_vm_stopped_at_the_snapshot(store, vm_imag
     # A disk-only VM's restore swaps the disk under the running guest.
     with Sandbox.create(store, "plain", image=vm_image.rootfs, memory=False) as plain:
         plain.start()
-        test_vm_memory.run(plain, "echo swapped-step > /step && sync")
+        run(plain, "echo swapped-step > /step && sync")
         snapshot = plain.checkpoint("step")
         for point in ["restore.detached", "restore.swap-paused"]:
             assert in_guest(store, "plain", "echo later > /step").returncode == 0

@@ -22,72 +22,40 @@ import time
 from pathlib import Path
 
 import pytest
-import test_vm
+from guests import COUNTER, alive, counter, payload_hash, run, running_step
 
 import filesystems
 from blockdiff.errors import Damaged, NoSpace, VMError
 from blockdiff.store.retention import Policy
 from blockdiff.store.store import Store
+from blockdiff.vm import device_state, procs, qemu, reserve
 from blockdiff.vm import machine as machine_module
-from blockdiff.vm import qemu, reserve
 from blockdiff.vm.integrity import verify_vms
 from blockdiff.vm.sandbox import MEMORY_KEY, Sandbox
 
-# The VM tests' image and store, where pytest looks for fixtures.
-vm_image, store = test_vm.vm_image, test_vm.store
 MiB = 1 << 20
-# A process of the step: counts into /tmp/counter ten times a second. Each
-# count is written beside it and renamed over it: "echo > /tmp/counter"
-# truncates first, and a read (or a checkpoint) between the truncation and the
-# write would find the file empty.
-COUNTER = ("(i=0; while true; do i=$((i+1)); echo $i > /tmp/counter.new; "
-           "mv -f /tmp/counter.new /tmp/counter; sleep 0.1; done) >/dev/null 2>&1 & echo $!")
-# 16 MiB of random bytes in a tmpfs: they live only in guest RAM.
-PAYLOAD = ("mkdir -p /mnt/ram && mount -t tmpfs -o size=32m tmpfs /mnt/ram && "
-           "head -c 16777216 /dev/urandom > /mnt/ram/payload && sha256sum /mnt/ram/payload")
 
 
 @pytest.fixture
-def box(store, vm_image):
-    with Sandbox.create(store, "box", image=vm_image.rootfs) as sandbox:
-        assert sandbox.memory_checkpoints   # the default on a reflink store
-        sandbox.start()
-        yield sandbox
+def store(vm_store):
+    return vm_store
 
 
-def run(sandbox: Sandbox, command: str) -> str:
-    result = sandbox.exec(command, timeout=60)
-    assert result.status == 0, (command, result.stderr)
-    return result.stdout.decode()
+@pytest.fixture
+def box(memory_box):
+    return memory_box
 
 
-def counter(sandbox: Sandbox) -> int:
-    return int(run(sandbox, "cat /tmp/counter"))
-
-
-def alive(sandbox: Sandbox, pid: int) -> bool:
-    return sandbox.exec(f"kill -0 {pid}").status == 0
-
-
-def payload_hash(sandbox: Sandbox) -> str:
-    return run(sandbox, "sha256sum /mnt/ram/payload").split()[0]
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def runs_qemu_of(pid: int, name: str) -> bool:
     """Whether process ``pid`` is the QEMU of VM ``name``."""
-    try:
-        return f"blockdiff-{name}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-
-
-def running_step(sandbox: Sandbox) -> tuple[int, str]:
-    """A counter process and a tmpfs payload; their pid and hash."""
-    pid = int(run(sandbox, COUNTER))
-    digest = run(sandbox, PAYLOAD).split()[0]
-    time.sleep(0.5)
-    assert counter(sandbox) > 0
-    return pid, digest
+    return f"blockdiff-{name}".encode() in _cmdline(pid)
 
 
 def test_processes_and_their_memory_survive_restore_and_fork(store, box):
@@ -177,10 +145,14 @@ def test_restores_start_from_the_standby_and_bring_back_each_checkpoint(store, b
     assert store.verify() == {}
 
 
-def qemus_of(name: str) -> set[int]:
-    """The pids of every QEMU of VM ``name`` (or started ahead by it)."""
+def qemus_of(store: Store, name: str) -> set[int]:
+    """The pids of every QEMU of VM ``name`` of ``store`` (or started ahead
+    by it): its files are under the store's directory, so another store's
+    "box" (a suite running beside this one) is not counted."""
+    root = str(store.root).encode()
     return {int(pid) for pid in os.listdir("/proc")
-            if pid.isdigit() and runs_qemu_of(int(pid), name)}
+            if pid.isdigit() and runs_qemu_of(int(pid), name) and root in _cmdline(int(pid))}
+
 
 
 def waiting(sandbox: Sandbox, kind: str = machine_module.WAITING) -> set[int]:
@@ -189,30 +161,37 @@ def waiting(sandbox: Sandbox, kind: str = machine_module.WAITING) -> set[int]:
 
 
 def test_a_qemu_waits_for_the_next_restore_which_takes_it_over(store, box):
+    # Each checkpoint's name is also in guest RAM only (a tmpfs), so a
+    # restore that resumed another checkpoint's memory cannot pass.
+    def in_ram() -> str:
+        return run(box, "cat /mnt/ram/step")
+
     pid, digest = running_step(box)
+    run(box, "echo first > /mnt/ram/step")
     first = box.checkpoint("first")
-    run(box, f"kill {pid}; echo later > /later")
+    run(box, f"kill {pid}; echo later > /later; echo second > /mnt/ram/step")
     second = box.checkpoint("second")
     box.standby.wait_standby()
     # Beside the VM's QEMU, one waits on the standby, paused, for a restore.
     assert box.standby.failure is None
     ready = waiting(box)
-    assert len(ready) == 1 and ready <= qemus_of("box")
+    assert len(ready) == 1 and ready <= qemus_of(store, "box")
     timing = box.restore(first)
     assert timing.memory and timing.standby and timing.prestarted
     assert box.pid in ready and box.machine.memory_backed
-    assert alive(box, pid) and payload_hash(box) == digest
+    assert alive(box, pid) and payload_hash(box) == digest and in_ram() == "first\n"
     assert box.exec("test -e /later").status == 1
     # Another waits, on the image the dead guest left, prepared at "first";
     # a checkpoint keeps it, and the next restore takes it.
     box.standby.wait_standby()
     ready = waiting(box)
     assert len(ready) == 1
+    run(box, "echo third > /mnt/ram/step")
     third = box.checkpoint("third")
     box.standby.wait_standby()
     assert waiting(box) == ready
     timing = box.restore(second)
-    assert timing.prestarted and box.pid in ready
+    assert timing.prestarted and box.pid in ready and in_ram() == "second\n"
     assert not alive(box, pid) and run(box, "cat /later") == "later\n"
     # One waiting on a file that is no longer the standby is not taken
     # over, but killed.
@@ -221,13 +200,13 @@ def test_a_qemu_waits_for_the_next_restore_which_takes_it_over(store, box):
     os.unlink(box.standby.path)
     timing = box.restore(third)
     assert not timing.standby and not timing.prestarted
-    assert alive(box, pid) and payload_hash(box) == digest
-    assert not stale & qemus_of("box")
+    assert alive(box, pid) and payload_hash(box) == digest and in_ram() == "third\n"
+    assert not stale & qemus_of(store, "box")
     # Stopping the VM stops every QEMU of it, and leaves none of their files.
     box.standby.wait()
-    assert len(qemus_of("box")) >= 2
+    assert len(qemus_of(store, "box")) >= 2
     box.stop()
-    assert not qemus_of("box")
+    assert not qemus_of(store, "box")
     assert not [p.name for p in box.directory.iterdir() if p.name.startswith("waiting")]
     assert store.verify() == {}
 
@@ -238,7 +217,7 @@ def test_forks_take_over_the_qemu_waiting_on_the_spares(store, box):
     box.standby.wait()
     # One waits on each pair of spares.
     ready = waiting(box, machine_module.WAITING_FORK)
-    assert len(ready) == 2 and ready <= qemus_of("box")
+    assert len(ready) == 2 and ready <= qemus_of(store, "box")
     fork = box.fork(checkpoint, "fork")
     try:
         assert fork.memory_source == fork.disk_source == "spare" and fork.machine.took_waiting
@@ -260,7 +239,7 @@ def test_forks_take_over_the_qemu_waiting_on_the_spares(store, box):
         assert MEMORY_KEY in store.get(other.checkpoint("in a fork")).meta
         taken = {fork.pid, other.pid}
         other.destroy()
-        assert other.pid is None and not taken - {fork.pid} & qemus_of("box")
+        assert other.pid is None and not taken - {fork.pid} & qemus_of(store, "box")
         # Both pairs made anew, with a QEMU on each.
         box.standby.wait()
         again = waiting(box, machine_module.WAITING_FORK)
@@ -268,7 +247,7 @@ def test_forks_take_over_the_qemu_waiting_on_the_spares(store, box):
         # A fork left stopped keeps no QEMU: it resumes when started.
         stopped = box.fork(checkpoint, "stopped", start=False)
         assert stopped.memory_source == stopped.disk_source == "spare"
-        assert not qemus_of("stopped") and len(again & qemus_of("box")) == 1
+        assert not qemus_of(store, "stopped") and len(again & qemus_of(store, "box")) == 1
         assert not [p.name for p in stopped.directory.iterdir() if p.name.startswith("waiting")]
         stopped.start()
         assert alive(stopped, pid) and payload_hash(stopped) == digest
@@ -277,7 +256,7 @@ def test_forks_take_over_the_qemu_waiting_on_the_spares(store, box):
         fork.destroy()
     box.standby.wait()
     box.stop()
-    assert not qemus_of("box")
+    assert not qemus_of(store, "box")
     assert store.verify() == {}
 
 
@@ -328,10 +307,10 @@ def test_a_waiting_qemu_leaves_the_memory_image_it_maps_as_it_was(store, box):
     box.machine.start_waiting(image)
     (ready,) = waiting(box)
     time.sleep(1.0)
-    assert machine_module._holds(ready, image, box.disk)
+    assert procs.holds(ready, image, box.disk)
     assert image.read_bytes() == content
     box.machine.kill_waiting()
-    assert qemus_of("box") == {box.pid} and image.read_bytes() == content
+    assert qemus_of(store, "box") == {box.pid} and image.read_bytes() == content
 
 
 def test_two_forks_of_one_checkpoint_read_different_random_bytes(store, box):
@@ -374,13 +353,13 @@ def test_a_qemu_killed_during_a_memory_checkpoint_leaves_the_last_one_restorable
     good = box.checkpoint("good")
     nodes = len(store.log())
     run(box, "echo doomed > /doomed")
-    real = machine_module.wait_for_migration
+    real = device_state.wait_for_migration
 
     def dies_while_saving(q, timeout, what):
         os.kill(box.pid, signal.SIGKILL)
         return real(q, timeout, what)
 
-    monkeypatch.setattr(machine_module, "wait_for_migration", dies_while_saving)
+    monkeypatch.setattr(device_state, "wait_for_migration", dies_while_saving)
     with pytest.raises(VMError):
         box.checkpoint("killed")
     monkeypatch.undo()
@@ -516,7 +495,7 @@ def test_saving_the_device_state_leaves_guest_ram_as_it_is(store, box):
             machine.pause()
             try:
                 before = machine.memory_image.read_bytes()[:machine.ram_bytes]
-                state = machine._saved_device_state(q, machine._start_saving_device_state(q))
+                state = device_state.saved(q, device_state.start_saving(q), machine.vm.name)
                 after = machine.memory_image.read_bytes()[:machine.ram_bytes]
             finally:
                 machine.resume()
@@ -629,7 +608,9 @@ def test_a_full_store_refuses_a_checkpoint_and_never_kills_the_vm(fresh_filesyst
             box._kill()
 
 
-def test_gc_and_rm_take_a_checkpoint_with_its_memory(store, box):
+def test_gc_and_rm_take_a_checkpoint_with_its_memory(store, booted_memory_box):
+    # What a VM's first checkpoints store after its boot: a box booted here.
+    box = booted_memory_box
     # A checkpoint is its disk snapshot; its memory snapshot (and the memory
     # base, of the disk snapshot the VM booted from) are parts of it, which
     # take no place of their own in gc's "last N" and go with it.
@@ -718,7 +699,9 @@ def test_gc_beside_forks_whose_spares_worker_is_stopped(store, box, tmp_path):
     assert store.verify() == {}
 
 
-def test_ram_stored_per_small_step_is_a_few_mib(store, box):
+def test_ram_stored_per_small_step_is_a_few_mib(store, booted_memory_box):
+    # What a VM's first checkpoints store after its boot: a box booted here.
+    box = booted_memory_box
     run(box, COUNTER)
     stored = []
     for k in range(6):

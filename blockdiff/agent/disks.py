@@ -25,7 +25,8 @@ from typing import Protocol
 
 from blockdiff.errors import AgentError
 from blockdiff.store.store import Store, UnknownSnapshot, as_store
-from blockdiff.vm.sandbox import MEMORY_KEY, Sandbox
+from blockdiff.vm.checkpoint import memory_of
+from blockdiff.vm.sandbox import Sandbox
 
 
 class Disk(Protocol):
@@ -134,7 +135,7 @@ def remove_disk_snapshot(store: Store, snapshot_id: str) -> None:
     names. ``UnknownSnapshot`` if the disk snapshot is gone already."""
     snap = store.get(snapshot_id)
     store.rm(snap.id)   # with its parts: the memory snapshot is one
-    memory = (snap.meta or {}).get(MEMORY_KEY)
+    memory = memory_of(snap.meta)
     if memory:
         # A memory snapshot committed before they were parts is not one.
         with contextlib.suppress(UnknownSnapshot):

@@ -183,12 +183,14 @@ def vm_snapshot(name, store_path, message, meta, ttl, disk_only, as_json):
     """
     import dataclasses
 
+    from blockdiff.vm.checkpoint import memory_of
+
     box = _sandbox(store_path, name)
     snapshot_id = box.checkpoint(message, meta, ttl=ttl, memory=False if disk_only else None)
     t = box.last_checkpoint
     if as_json:
         return emit_json({"id": snapshot_id, "vm": name,
-                          "memory": box.store.get(snapshot_id).meta.get("vm.memory"),
+                          "memory": memory_of(box.store.get(snapshot_id).meta),
                           "timing": None if t is None else dataclasses.asdict(t)})
     if t:
         what = (f", memory {t.memory_bytes / (1 << 20):.1f} MiB stored" if t.memory
@@ -255,15 +257,16 @@ def vm_fork(name, snapshot_id, new_name, store_path, no_start, disk_only, as_jso
     with progress_bar("vm fork", as_json=as_json) as progress:
         other = box.fork(snapshot_id, new_name, start=not no_start, disk_only=disk_only,
                          progress=progress)
-    resumed = not disk_only and "vm.memory" in box.store.get(snapshot_id).meta
+    result = other.last_fork
     if as_json:
         sources = {"spare": "spare", "standby copy": "standby", "": "layers"}
         return emit_json({"vm": new_name, "forked_from": snapshot_id, "running": not no_start,
-                          "memory": resumed,
-                          "memory_from": sources[other.memory_source] if resumed else None,
-                          "disk_from": sources[other.disk_source],
-                          "prestarted": resumed and not no_start and other.machine.took_waiting})
-    state = "" if no_start else (", resumed with its processes" if resumed else ", booted")
+                          "memory": result.memory,
+                          "memory_from": sources[result.memory_source] if result.memory else None,
+                          "disk_from": sources[result.disk_source],
+                          "prestarted": result.prestarted})
+    state = "" if no_start else (", resumed with its processes" if result.memory
+                                 else ", booted")
     click.echo(f"VM {new_name} forked from {snapshot_id}{state}")
 
 

@@ -462,7 +462,12 @@ class Catalog:
     def remove(self, db, snapshot: Snapshot, own_layer: int) -> list[int]:
         """Delete a snapshot inside an open transaction, handing its children to
         its parent, and the records of the layers no remaining snapshot uses
-        (its own included). Returns those layers."""
+        (its own included). Returns those layers. ``Conflict`` if it is gone
+        (removed meanwhile by another process or host, which said so)."""
+        if db.execute("SELECT 1 FROM snapshots WHERE seq = ?",
+                      (snapshot.seq,)).fetchone() is None:
+            raise Conflict(f"snapshot {snapshot.id} was removed meanwhile (by another "
+                           f"process or host); nothing was changed")
         used = {layer for (layer,) in db.execute(
             "SELECT layer FROM layer_refs WHERE snapshot = ?", (snapshot.seq,))}
         db.execute("UPDATE snapshots SET parent = (SELECT parent FROM snapshots WHERE seq = ?) "

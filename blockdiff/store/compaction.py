@@ -21,20 +21,29 @@ import numpy as np
 
 from blockdiff import native
 from blockdiff.engine.extents import ExtentMap, PieceTable, coalesce
-from blockdiff.errors import RemoteError
+from blockdiff.errors import ObjectInTheWay, RemoteError
 from blockdiff.progress import NO_PROGRESS, Progress
 from blockdiff.store.catalog import Snapshot
 from blockdiff.store.ids import new_id
 from blockdiff.store.layers import chunk_record, file_identity
 from blockdiff.store.maps import SnapshotMap, encode_map, pack_pieces
 from blockdiff.store.objects import unlink
-from blockdiff.store.removal import refuse_lost_references
+from blockdiff.store.removal import CONFLICT_RETRIES, refuse_lost_references, sweep_in_the_way
 from blockdiff.store.replication import forget_objects, record_uploaded, upload_rewritten
 from blockdiff.store.state import StoreState
 
 
 def compact(store: StoreState, snapshot_id: str, progress: Progress = NO_PROGRESS) -> Snapshot:
     """See ``Store.compact``."""
+    for _ in range(CONFLICT_RETRIES - 1):
+        try:
+            return _compact(store, snapshot_id, progress)
+        except ObjectInTheWay:
+            sweep_in_the_way(store)
+    return _compact(store, snapshot_id, progress)
+
+
+def _compact(store: StoreState, snapshot_id: str, progress: Progress) -> Snapshot:
     layer = int(new_id(), 16)
     layer_path = store.layer_path(layer)
     objects = store.object_files

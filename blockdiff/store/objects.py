@@ -17,7 +17,7 @@ import os
 import threading
 from pathlib import Path
 
-from blockdiff.errors import StoreError
+from blockdiff.errors import ObjectInTheWay
 
 
 def layer_name(layer: int) -> str:
@@ -151,8 +151,9 @@ class ObjectFiles:
         try:
             os.link(staged, final)
         except FileExistsError:
-            raise StoreError(f"{final} already exists; the store will not replace an "
-                             f"object (run: blockdiff verify --store {self.root})") from None
+            raise ObjectInTheWay(f"{final} already exists; the store will not replace an "
+                               f"object (run: blockdiff verify --store {self.root})",
+                               final) from None
         placed.append(final)
         os.unlink(staged)
 

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockdiff.errors import Conflict, Damaged, RemoteError, UnknownSnapshot
+from blockdiff.errors import Conflict, Damaged, ObjectInTheWay, RemoteError, UnknownSnapshot
 from blockdiff.store.catalog import Catalog, Snapshot
 from blockdiff.store.ids import layer_number
 from blockdiff.store.objects import layer_name, unlink
@@ -115,6 +115,11 @@ def remove(store: StoreState, snaps: list[Snapshot], reasons: dict) -> Removal:
                 if attempt == CONFLICT_RETRIES - 1:
                     raise
                 continue
+            except ObjectInTheWay:
+                if attempt == CONFLICT_RETRIES - 1:
+                    raise
+                sweep_in_the_way(store)
+                continue
             except RemoteError as e:
                 done = (f"removed before it: {', '.join(removed)}" if removed
                         else "nothing was removed")
@@ -185,6 +190,21 @@ def gc(store: StoreState, policy, *, now: float | None = None, dry_run: bool = F
     result.bytes_freed += sweep(store)
     store.keep_reserve()
     return result
+
+
+def sweep_in_the_way(store: StoreState) -> None:
+    """After an rm or compact found a file in ``objects/`` where it was
+    placing the map it wrote whole for a snapshot built on the one it works
+    on (:class:`ObjectInTheWay`), before it starts again: such a map has the
+    same contents, and so name, whoever writes it from the same map. No row
+    naming it, it was left by an operation on the same snapshot killed
+    between placing its files and its switch, and the sweep removes it (with
+    whatever else such operations left; under the exclusive lock, so not
+    under the shared one, which the caller has let go). A row naming it, the
+    catalog moved on since the operation read it (another host's switch
+    pointed that snapshot at the map, and a restore here fetched it), and
+    the operation, starting again, reads the rows as they are now."""
+    sweep(store)
 
 
 def sweep(store: StoreState) -> int:

@@ -585,14 +585,18 @@ class Store(StoreState):
         fragment. Images restored from it before compaction no longer share its
         blocks: their next commit stores them whole, so restore them from the
         snapshot again (see docs/store.md). ``progress`` hears of the bytes
-        checked, copied and checksummed.
+        checked, copied and checksummed. In a shared store a durable snapshot
+        stays durable: if that needs the object store and it fails,
+        ``RemoteError`` and nothing is compacted.
         """
         from blockdiff.store import compaction
 
-        snap = compaction.compact(self, snapshot_id, progress)
-        if self.shared is not None:
-            self._pushed_after(snap.id)
-        return snap
+        # The new layer and maps of a durable snapshot (and of those built on
+        # it) are uploaded before the switch (blockdiff.store.compaction); a
+        # snapshot not uploaded yet waits for a push, as it did. No push
+        # here: its failure would raise RemoteError for a compaction that
+        # is done, and RemoteError from compact means nothing changed.
+        return compaction.compact(self, snapshot_id, progress)
 
     def rm(self, snapshot_id: str) -> Removal:
         """Delete one snapshot, and the snapshots that are parts of it (see

@@ -38,6 +38,11 @@ MAX_RECORD = 64 << 10
 CRASH_ENV = "BLOCKDIFF_VM_CRASH_AT"
 # The operations that write a record.
 CREATE, CHECKPOINT, RESTORE, FORK, START = "create", "checkpoint", "restore", "fork", "start"
+# What the command that recovers (blockdiff.vm.recovery) is about to do with the VM.
+USE = "use"          # run in it, checkpoint it, start it
+REPLACE = "replace"  # restore it: its state is replaced anyway
+STOP = "stop"        # stop it
+REMOVE = "remove"    # remove it
 
 _passed: collections.Counter = collections.Counter()
 
@@ -176,3 +181,13 @@ def crash_point(point: str) -> None:
     _passed[point] += 1
     if _passed[point] == (int(count) if count.isdigit() else 1):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fork_intent(snap, memory_snap, start: bool, standby) -> dict | None:
+    """The arguments of the intent record a fork from checkpoint ``snap``
+    (with memory ``memory_snap``; None without: nothing is left half made)
+    is registered with, taking the spares of ``standby`` if given."""
+    if memory_snap is None:
+        return None
+    return {"snapshot": snap.id, "memory": memory_snap.id, "start": start,
+            "source": standby.path.parent.name if standby is not None else None}

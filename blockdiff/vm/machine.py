@@ -24,6 +24,14 @@ which blockdiff binds and hands to QEMU: no path limit applies, and only
 users who can enter the directory reach it. Which bitmap is current, and
 whether it is to be trusted, is recorded by :mod:`blockdiff.vm.tracking`.
 
+``Machine`` holds the process's lifecycle, the pauses and the dirty
+tracking; the modules below it hold the rest: :mod:`blockdiff.vm.waiting`
+(QEMUs started ahead for the next restore or fork), :mod:`blockdiff.vm.device_state`
+(the memory image's layout, saving and loading the device state),
+:mod:`blockdiff.vm.qmp_talk` (QMP conversations of no one machine: migration
+waits, dirty bitmaps) and :mod:`blockdiff.vm.procs` (what /proc says of a
+process).
+
 Files in the VM's directory while QEMU runs::
 
     qmp.sock, guestd.sock, nbd.sock   QMP, the guest daemon, the dirty bitmaps
@@ -53,9 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import signal
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -64,51 +70,47 @@ from pathlib import Path
 
 import numpy as np
 
-from blockdiff import native
 from blockdiff.errors import BlockdiffError, DiskUsedEarly, GuestTimeout, VMError
 from blockdiff.progress import NO_PROGRESS, Progress, Steps
-from blockdiff.vm.guestlink import MEMORY_CHECKPOINT_VERSION, GuestLink, connect_unix
+from blockdiff.vm import device_state, waiting
+from blockdiff.vm.device_state import DEVICE_STATE_AREA, MEMORY_IMAGE, MiB
+from blockdiff.vm.guestlink import MEMORY_CHECKPOINT_VERSION, GuestLink
 from blockdiff.vm.intents import crash_point
-from blockdiff.vm.nbd import dirty_ranges
+from blockdiff.vm.procs import command_line, holds, is_qemu, usage, wait_exit
 from blockdiff.vm.qemu import (
     CONSOLE_LOG,
-    DISK_NODE,
     GUEST_SOCKET,
     PID_FILE,
     QMP,
     QMP_SOCKET,
     Launch,
     choose_accel,
-    find_qemu,
-    runtime_names,
+)
+from blockdiff.vm.qmp_talk import (
+    NBD_SOCKET,
+    Written,
+    drop_dirty_bitmaps,
+    read_dirty_bitmap,
+    replace_dirty_bitmap,
+    set_ignore_shared,
+    start_dirty_tracking,
 )
 from blockdiff.vm.registry import KERNEL_FILES, VMEntry
 from blockdiff.vm.reserve import own_blocks, own_disk
 from blockdiff.vm.tracking import TRACKING, DirtyTracking, Generation
+from blockdiff.vm.waiting import WAITING, WAITING_FORK, WAITING_KINDS, fork_waiting
 
 DEFAULT_BOOT_TIMEOUT = 120.0
-NBD_SOCKET = "nbd.sock"
 ACCEL_FILE = "accel"
-BITMAP_PREFIX = "blockdiff-"
 GUESTD_VERSION = "guestd-version"   # what the guest daemon answered at boot
 RUNTIME_FILES = (QMP_SOCKET, GUEST_SOCKET, PID_FILE, NBD_SOCKET, TRACKING, GUESTD_VERSION)
-MEMORY_IMAGE = "memory.img"
-# Before the runtime files of a QEMU waiting for the next restore, then a
-# token of its own: its files are never those of another QEMU, which may
-# remove its own when it exits.
-WAITING = "waiting."            # on the standby, for a restore
-WAITING_FORK = "waiting-fork"   # on a pair of spares, for a fork: see fork_waiting
-WAITING_KINDS = (WAITING, WAITING_FORK)
-MiB = 1 << 20
-# Behind the RAM in the memory image, for the device state (sparse: only
-# what a checkpoint wrote takes space).
-DEVICE_STATE_AREA = 16 * MiB
 # One POSIX_FADV_WILLNEED reads ahead at most the device's readahead window
 # (128 KiB by default), so the memory image is warmed in steps of that.
 WARM_STEP = 128 << 10
-DEVICE_STATE_FD = "blockdiff-device-state"
-# ``(offsets, lengths)`` of the byte ranges the guest wrote, as the store takes them.
-Written = tuple[np.ndarray, np.ndarray]
+# What callers import from here, some of it from the modules below.
+__all__ = ["DEFAULT_BOOT_TIMEOUT", "DEVICE_STATE_AREA", "WAITING", "WAITING_FORK",
+           "WAITING_KINDS", "Machine", "Pause", "Written", "console_tail", "fork_waiting",
+           "warm_page_cache", "warm_page_cache_ranges"]
 
 
 @dataclass
@@ -157,7 +159,7 @@ class Machine:
         ahead was given its files by descriptor)."""
         try:
             pid = int(pid_file.read_text())
-            if _is_qemu(_cmdline(pid)) and _holds(pid, self.vm.disk):
+            if is_qemu(command_line(pid)) and holds(pid, self.vm.disk):
                 return pid
         except (OSError, ValueError):
             pass
@@ -176,7 +178,7 @@ class Machine:
         """Whether the running QEMU keeps guest RAM in the memory image (and so
         can take a memory checkpoint)."""
         pid = self.pid
-        return pid is not None and _holds(pid, self.memory_image)
+        return pid is not None and holds(pid, self.memory_image)
 
     def guest_knows_memory_checkpoints(self) -> bool:
         """Whether the running guest's daemon can hold its processes during a
@@ -273,7 +275,7 @@ class Machine:
             # The memory image must be at its size before QEMU maps it. A
             # boot warms its page cache before QEMU runs the guest; a resume
             # once the guest runs (see _resume_incoming).
-            fd = self._sized_memory_image(fresh=not incoming)
+            fd = device_state.open_memory_image(self.vm, fresh=not incoming)
             try:
                 if not incoming:
                     own_blocks((self.memory_image,), f"booting VM {name}")   # vm.reserve
@@ -287,7 +289,7 @@ class Machine:
         self.took_waiting = False
         with ThreadPoolExecutor(2) as pool:
             if meanwhile is None:
-                self._start_or_take(self._launch(accel, memory=memory, incoming=incoming))
+                waiting.start_or_take(self, self._launch(accel, memory=memory, incoming=incoming))
             else:
                 mark, disk = self._start_meanwhile(
                     self._launch(accel, memory=True, incoming=True), meanwhile,
@@ -296,8 +298,8 @@ class Machine:
                     # Restored in place, the image kept its page cache but where
                     # the restore rewrote: warmed whole (quickly) while the
                     # device state loads, before the guest runs.
-                    warming = _warm_in_background(self._sized_memory_image(fresh=False),
-                                                  self.ram_bytes)
+                    warming = _warm_in_background(
+                        device_state.open_memory_image(self.vm, fresh=False), self.ram_bytes)
             (self.directory / ACCEL_FILE).write_text(accel + "\n")
             self.last_launch = {"qemu": time.monotonic() - began}
             if incoming:
@@ -331,7 +333,7 @@ class Machine:
         """Start QEMU in a thread of ``pool`` while ``meanwhile()`` runs in
         this one, then ``disk_meanwhile`` (if given) in another; returns
         what ``meanwhile`` returns and the future of ``disk_meanwhile``."""
-        started = pool.submit(self._start_or_take, launch)
+        started = pool.submit(waiting.start_or_take, self, launch)
         disk = None
         try:
             result = meanwhile()
@@ -348,166 +350,31 @@ class Machine:
         return result, disk
 
     # ----------------------------------------------------- waiting QEMUs
-    # QEMU's start (60-100 ms here, a third of it loading its libraries, and
-    # more on two cores where anything else runs) is most of a restore's or
-    # a fork's critical path but for the memory image's own restore, which
-    # runs beside it. A QEMU started ahead, with ``-incoming defer``, on the
-    # images a restore or a fork will rename into place (the standby, or
-    # the spares) takes that off the path: the launch takes it over instead
-    # of starting one. Until a device state is loaded it neither reads nor
-    # writes guest RAM, and its disk stays inactive, unlocked, while the
-    # running QEMU has the same one.
+    # QEMUs started ahead for the next restore or fork to take over: see
+    # blockdiff.vm.waiting.
 
     def start_waiting(self, memory_image: Path, disk: Path | None = None, *,
                       kind: str = WAITING) -> None:
-        """Have a QEMU wait, paused, with ``-incoming defer``, on
-        ``memory_image`` and ``disk`` (the VM's own by default), for the next
-        incoming launch that finds them in place to take over: ``kind``
-        ``WAITING`` for a restore (on the standby), ``fork_waiting(N)`` for
-        a fork (on pair of spares N, handed over by ``hand_over_waiting``). Keeps
-        the one of that kind waiting already if it holds those files; else
-        kills it. Only while the VM runs: stopping it kills them all
-        (``kill_waiting``). The files are opened first and QEMU given them
-        as ``/dev/fd/N``, so that it holds these files even if they are
-        renamed meanwhile (OSError, and nothing started, if they are gone)."""
-        if not self.running:
-            return
-        disk = disk or self.vm.disk
-        kernel_dir = self.vm.kernel_dir
-        accel, _ = choose_accel(kernel_dir / "vmlinuz", kernel_dir / "initrd.img")
-        if self._waiting(accel, memory_image, disk, (kind,)) is not None:
-            return
-        self.kill_waiting((kind,))
-        fds = []
-        prefix = f"{kind}{secrets.token_hex(4)}."
-        try:
-            for path in (memory_image, disk):
-                fds.append(os.open(path, os.O_RDWR | os.O_CLOEXEC))
-            launch = self._launch(accel, incoming=True, memory_image=Path(f"/dev/fd/{fds[0]}"),
-                                  runtime_prefix=prefix)
-            replace(launch, disk=Path(f"/dev/fd/{fds[1]}")).start(pass_fds=fds)
-        finally:
-            for fd in fds:
-                os.close(fd)
-        if not self.running:
-            # Stopped meanwhile (or being restored, by another thread or
-            # process): this one is killed, any other left to its owner.
-            self.kill_waiting((prefix,))
-
-    def _waiting_qemus(self, kinds=WAITING_KINDS, directory: Path | None = None):
-        """``(pid, prefix)`` of each QEMU of these kinds (or with these
-        prefixes) waiting in this VM's directory (or ``directory``), pid None
-        where its process is gone: a QEMU whose command line names its pid
-        file (with its token)."""
-        for kind in kinds:
-            for pid_file in (directory or self.directory).glob(f"{kind}*{PID_FILE}"):
-                pid = None
-                with contextlib.suppress(OSError, ValueError):
-                    pid = int(pid_file.read_text())
-                    cmdline = _cmdline(pid)
-                    if not (_is_qemu(cmdline) and _after(cmdline, "-pidfile") == pid_file.name):
-                        pid = None
-                yield pid, pid_file.name[:-len(PID_FILE)]
-
-    def _waiting(self, accel: str, memory_image: Path, disk: Path,
-                 kinds=WAITING_KINDS) -> tuple[int, str] | None:
-        """The waiting QEMU of these kinds, if any, that holds the files now
-        at ``memory_image`` and ``disk``, started as this machine's launch
-        would be but for its name and the paths of those files."""
-        qemu = find_qemu()
-        for pid, prefix in self._waiting_qemus(kinds):
-            if pid is None:
-                continue
-            with contextlib.suppress(OSError, ValueError):
-                cmdline = _cmdline(pid)
-                name = _after(cmdline, "-name").removeprefix("blockdiff-")
-                drive = _after(cmdline, "-drive").removeprefix("file=").split(",format=")[0]
-                mapped = _memory_path(cmdline)
-                launch = self._launch(accel, incoming=True, memory_image=mapped,
-                                      runtime_prefix=prefix)
-                if (mapped is not None
-                        and cmdline == replace(launch, name=name, disk=Path(drive)).argv(qemu)
-                        and _holds(pid, memory_image, disk)):
-                    return pid, prefix
-        return None
-
-    def _start_or_take(self, launch: Launch) -> None:
-        """Start ``launch`` (an incoming one), or take over the waiting QEMU
-        that holds the memory image and disk as they are now, its runtime
-        files renamed to the usual ones (``took_waiting`` then says so); any
-        other waiting QEMU on this VM's disk is killed."""
-        found = (self._waiting(launch.accel, self.memory_image, self.vm.disk)
-                 if launch.incoming else None)
-        if found is not None:
-            pid, prefix = found
-            try:
-                for mine, usual in zip(runtime_names(prefix), launch.runtime_names()):
-                    os.rename(self.directory / mine, self.directory / usual)
-                self.took_waiting = True
-            except OSError:    # gone meanwhile: started anew
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        if launch.incoming:
-            self.kill_waiting(holding=self.vm.disk)
-        if not self.took_waiting:
-            launch.start()
+        """Have a QEMU wait with ``-incoming defer`` on ``memory_image`` and
+        ``disk`` (the VM's own by default) for the next incoming launch to take
+        over; ``kind`` WAITING or ``fork_waiting(N)``. See
+        :func:`blockdiff.vm.waiting.start_waiting`."""
+        waiting.start_waiting(self, memory_image, disk, kind=kind)
 
     def kill_waiting(self, kinds=WAITING_KINDS, *, holding: Path | None = None) -> None:
         """Kill every QEMU of these kinds waiting in this VM's directory (with
-        ``holding``, only those that hold that file), and remove their
-        files."""
-        for pid, prefix in self._waiting_qemus(kinds):
-            if pid is not None:
-                if holding is not None and not _holds(pid, holding):
-                    continue
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                _wait_exit(pid, 10.0)
-            for name in runtime_names(prefix):
-                (self.directory / name).unlink(missing_ok=True)
+        ``holding``, only those that hold that file), and remove their files."""
+        waiting.kill_waiting(self, kinds, holding=holding)
 
     def forks_waiting(self, source: Path) -> list[int]:
         """The numbers of the pairs of spares in directory ``source`` (another
         VM's) that a fork's QEMU waits on."""
-        numbers = []
-        for pid, prefix in self._waiting_qemus((WAITING_FORK,), source):
-            number = prefix[len(WAITING_FORK):].partition(".")[0]   # see fork_waiting
-            if pid is not None and number.isdigit():
-                numbers.append(int(number))
-        return numbers
+        return waiting.forks_waiting(self, source)
 
     def hand_over_waiting(self, source: Path) -> bool:
-        """Move the runtime files of the fork's QEMU waiting in directory
-        ``source`` (another VM's, whose spares this new VM took) into this
-        VM's directory, if it holds this VM's memory image and disk now, for
-        the launch to take it over; whether there was one."""
-        for pid, prefix in self._waiting_qemus((WAITING_FORK,), source):
-            if pid is not None and _holds(pid, self.memory_image, self.vm.disk):
-                with contextlib.suppress(OSError):
-                    for name in runtime_names(prefix):
-                        os.rename(source / name, self.directory / name)
-                    return True
-        return False
-
-    def _sized_memory_image(self, fresh: bool) -> int:
-        """An open descriptor of the memory image, at its size. A boot
-        (``fresh``) keeps what an earlier run left in it: the guest overwrites
-        what it uses, and the next checkpoint then stores only what differs
-        from the image's last snapshot."""
-        size = self.ram_bytes + DEVICE_STATE_AREA
-        fd = os.open(self.memory_image, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            current = os.fstat(fd).st_size
-            if current != size:
-                if not fresh:
-                    raise VMError(f"the memory image of VM {self.vm.name} holds {current} "
-                                  f"bytes, not the {size} of its {self.vm.memory_mb} MiB; "
-                                  f"restore its checkpoint again")
-                os.ftruncate(fd, size)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        """Take over into this VM's directory the fork's QEMU waiting in
+        ``source`` if it holds this VM's files now; whether there was one."""
+        return waiting.hand_over_waiting(self, source)
 
     def _resume_incoming(self, timeout: float, mark: str | None, hot,
                          warming: threading.Thread | None, disk=None) -> None:
@@ -525,14 +392,7 @@ class Machine:
             with self.guest() as link, self.qmp() as q, self._dir_fd() as dir_fd:
                 set_ignore_shared(q)
                 crash_point("resume.started")
-                fd = os.open(self.memory_image, os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    os.lseek(fd, self.ram_bytes, os.SEEK_SET)
-                    q.pass_fd(DEVICE_STATE_FD, fd)
-                finally:
-                    os.close(fd)
-                q.command("migrate-incoming", uri=f"fd:{DEVICE_STATE_FD}")
-                wait_for_migration(q, timeout, "loading the checkpoint's device state")
+                device_state.load(q, self.memory_image, self.ram_bytes, timeout)
                 crash_point("resume.loaded")
                 loaded = time.monotonic()
                 bitmap = None
@@ -559,10 +419,10 @@ class Machine:
                     # once resumed, and the host's restore is not in the bitmap.
                     with contextlib.suppress(OSError):
                         self.tracking.write(Generation(self.pid, bitmap, mark))
-                answering = _usage(self.pid)
+                answering = usage(self.pid)
                 crash_point("resume.running")
                 link.resume(timeout=timeout)
-                answered = _usage(self.pid)
+                answered = usage(self.pid)
             if warming is None:
                 # A new file (a fork's): the rest is warmed while the guest
                 # runs, not before, since reading all of it would slow QEMU's
@@ -572,8 +432,8 @@ class Machine:
                 # the pages whose bytes changed are). The warm-up stops when
                 # QEMU does: reading a dead VM's image slows the next one.
                 self._warming = threading.Event()
-                _warm_in_background(self._sized_memory_image(fresh=False), self.ram_bytes,
-                                    self._warming)
+                _warm_in_background(device_state.open_memory_image(self.vm, fresh=False),
+                                    self.ram_bytes, self._warming)
             # A daemon that resumed knows memory checkpoints.
             (self.directory / GUESTD_VERSION).write_text(
                 f"blockdiff-guestd {MEMORY_CHECKPOINT_VERSION}\n")
@@ -626,7 +486,7 @@ class Machine:
         with contextlib.suppress(VMError):
             with self.guest() as link:
                 link.shutdown(timeout=min(timeout, 5.0))
-            if _wait_exit(pid, timeout):
+            if wait_exit(pid, timeout):
                 return self._cleanup()
         self.kill()
 
@@ -639,7 +499,7 @@ class Machine:
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            _wait_exit(pid, 10.0)
+            wait_exit(pid, 10.0)
         self._cleanup()
         if not keep_waiting:
             self.kill_waiting()
@@ -742,21 +602,21 @@ class Machine:
                     pause.generation, pause.frozen = self._next_generation(mark)
                     self.read_written(pause, drop=False)
                 if memory:
-                    saving = self._start_saving_device_state(q)
+                    saving = device_state.start_saving(q)
                     pause.memory = self.memory_image
                 yield pause
                 if saving is not None:
                     fd, saving = saving, None
-                    state = self._saved_device_state(q, fd)
+                    state = device_state.saved(q, fd, self.vm.name)
                     pause.device_state = len(state)
             finally:
                 if saving is not None:   # the block failed; QEMU is to be done before cont
                     with contextlib.suppress(VMError):
-                        self._saved_device_state(q, saving)
+                        device_state.saved(q, saving, self.vm.name)
                 self.resume()
                 pause.seconds = time.monotonic() - stopped
             if state is not None:
-                self._write_device_state(state)
+                device_state.write(self.memory_image, self.ram_bytes, state)
             if not read_later:
                 self._drop_old_bitmaps(pause)
 
@@ -825,54 +685,8 @@ class Machine:
     @property
     def device_state_area(self) -> Written:
         """``(offsets, lengths)`` of the memory image's device-state area."""
-        return (np.array([self.ram_bytes], np.uint64), np.array([DEVICE_STATE_AREA], np.uint64))
+        return device_state.area(self.ram_bytes)
 
-    def _start_saving_device_state(self, q: QMP) -> int:
-        """With the VM paused: have QEMU start to save its migration stream,
-        which with ``x-ignore-shared`` holds no RAM, into a file in memory
-        (on the memory image, its writeback would be in the pause; the
-        device-state area is written once the VM runs, QEMU never maps it).
-        Returns that file's descriptor, for :meth:`_saved_device_state`."""
-        fd = os.memfd_create(DEVICE_STATE_FD, os.MFD_CLOEXEC)
-        try:
-            q.pass_fd(DEVICE_STATE_FD, fd)
-            q.command("migrate", uri=f"fd:{DEVICE_STATE_FD}")
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
-    def _saved_device_state(self, q: QMP, fd: int) -> bytes:
-        """The device state :meth:`_start_saving_device_state` is saving
-        into ``fd``, once QEMU is done; the descriptor is closed."""
-        try:
-            wait_for_migration(q, 60.0, "saving the device state")
-            # QEMU says "completed" a moment before it leaves the
-            # finish-migrate state, in which it refuses ``cont`` ("Migration
-            # is not finalized yet"): seen on a busy host, the migration
-            # thread waiting for the main loop's lock in between.
-            wait_while_run_state(q, "finish-migrate", 10.0, "saving the device state")
-            # QEMU wrote through a duplicate of this descriptor: one offset.
-            length = os.lseek(fd, 0, os.SEEK_CUR)
-            if length > DEVICE_STATE_AREA:
-                raise VMError(f"the device state of VM {self.vm.name} ({length} bytes) does "
-                              f"not fit the {DEVICE_STATE_AREA} bytes kept for it behind "
-                              f"its RAM")
-            return os.pread(fd, length, 0)
-        finally:
-            os.close(fd)
-
-    def _write_device_state(self, state: bytes) -> None:
-        """The device state into the memory image's device-state area, the
-        rest of the area cleared (see :attr:`device_state_area`)."""
-        fd = os.open(self.memory_image, os.O_RDWR | os.O_CLOEXEC)
-        try:
-            native.zero_ranges(fd, *self.device_state_area, self.memory_image)
-            done = 0
-            while done < len(state):
-                done += os.pwrite(fd, state[done:], self.ram_bytes + done)
-        finally:
-            os.close(fd)
 
     def disk_writes(self) -> int:
         """Write, write-zeroes and discard requests QEMU has served on the
@@ -911,23 +725,6 @@ def console_tail(directory: Path, lines: int = 3) -> str:
     return " | ".join(kept) if kept else "no console output"
 
 
-def _wait_exit(pid: int, timeout: float) -> bool:
-    """Whether process ``pid`` exited within ``timeout`` seconds: gone, or a
-    zombie with no thread left. Its main thread is a zombie as soon as it
-    exited, but its files (and QEMU's locks on the disk) are let go only
-    once its last thread did, which for a QEMU tearing down guest RAM can
-    be later: a new QEMU would find the disk still locked."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
-            if zombie and os.listdir(f"/proc/{pid}/task") == [str(pid)]:
-                return True
-        except OSError:
-            return True
-        time.sleep(0.002)
-    return False
 
 
 # ------------------------------------------------------------------ memory
@@ -968,165 +765,3 @@ def warm_page_cache_ranges(fd: int, offsets, lengths,
                 return
             os.posix_fadvise(fd, at, min(WARM_STEP, offset + length - at),
                              os.POSIX_FADV_WILLNEED)
-
-
-def set_ignore_shared(q: QMP) -> None:
-    """Keep shared RAM (the memory image) out of migration streams: they hold
-    only the device state, and the RAM stays in the file."""
-    q.command("migrate-set-capabilities",
-              capabilities=[{"capability": "x-ignore-shared", "state": True}])
-
-
-def wait_for_migration(q: QMP, timeout: float, what: str) -> None:
-    """Until the migration QEMU runs (either way) completes; VMError saying
-    why if it fails."""
-    # Polled, not awaited as an event: a query costs about 0.2 ms, and the
-    # device state takes a few milliseconds, all of them inside the pause.
-    deadline = time.monotonic() + timeout
-    while True:
-        info = q.command("query-migrate")
-        status = info.get("status")
-        if status == "completed":
-            return
-        if status in ("failed", "cancelled"):
-            raise VMError(f"QEMU failed {what}: {info.get('error-desc', status)}")
-        if time.monotonic() > deadline:
-            raise VMError(f"QEMU did not finish {what} within {timeout:.0f} s")
-        time.sleep(0.0003)
-
-
-def wait_while_run_state(q: QMP, state: str, timeout: float, what: str) -> None:
-    """Until QEMU's run state (``query-status``) is no longer ``state``;
-    VMError if it still is after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while q.command("query-status").get("status") == state:
-        if time.monotonic() > deadline:
-            raise VMError(f"QEMU did not finish {what} within {timeout:.0f} s")
-        time.sleep(0.0003)
-
-
-# ---------------------------------------------------------- dirty bitmaps
-
-
-def _bitmap_name() -> str:
-    return f"{BITMAP_PREFIX}{os.urandom(6).hex()}"
-
-
-def start_dirty_tracking(q: QMP, dir_fd: int) -> str:
-    """Start the NBD server and a dirty bitmap of 4 KiB granularity; returns
-    the bitmap's name."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(NBD_SOCKET, dir_fd=dir_fd)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        listener.bind(f"/proc/self/fd/{dir_fd}/{NBD_SOCKET}")
-        listener.listen(4)
-        q.pass_fd("nbd", listener.fileno())
-    finally:
-        listener.close()
-    q.command("nbd-server-start", addr={"type": "fd", "data": {"str": "nbd"}})
-    bitmap = _bitmap_name()
-    q.command("block-dirty-bitmap-add", node=DISK_NODE, name=bitmap, granularity=4096)
-    return bitmap
-
-
-def replace_dirty_bitmap(q: QMP, bitmap: str) -> str:
-    """Atomically start a new bitmap and freeze ``bitmap``; returns the new
-    one's name. With the VM paused, the old one then says what was written
-    up to now and the new one what is written from now on."""
-    new = _bitmap_name()
-    q.command("transaction", actions=[
-        {"type": "block-dirty-bitmap-add",
-         "data": {"node": DISK_NODE, "name": new, "granularity": 4096}},
-        {"type": "block-dirty-bitmap-disable", "data": {"node": DISK_NODE, "name": bitmap}}])
-    return new
-
-
-def read_dirty_bitmap(q: QMP, dir_fd: int, bitmap: str, *, timeout: float = 10.0) -> Written:
-    """``(offsets, lengths)`` of the blocks a frozen bitmap marks, read over a
-    read-only NBD export made for the purpose (and left for
-    ``drop_dirty_bitmaps``, which need not run while the VM is paused)."""
-    q.command("block-export-add", type="nbd", id=bitmap, name=bitmap, writable=False,
-              bitmaps=[bitmap], **{"node-name": DISK_NODE})
-    return dirty_ranges(connect_unix(NBD_SOCKET, dir_fd), bitmap, bitmap, timeout=timeout)
-
-
-def drop_dirty_bitmaps(q: QMP, keep: str) -> None:
-    """Remove blockdiff's bitmaps other than ``keep``, and their exports. QEMU
-    lets go of an export in the background, so a bitmap that is still
-    exported stays until the next call."""
-    for node in q.command("query-named-block-nodes", flat=True):
-        if node.get("node-name") != DISK_NODE:
-            continue
-        for bitmap in node.get("dirty-bitmaps", []):
-            name = bitmap.get("name", "")
-            if name.startswith(BITMAP_PREFIX) and name != keep:
-                with contextlib.suppress(VMError):
-                    q.command("block-export-del", id=name, mode="hard")
-                with contextlib.suppress(VMError):
-                    q.command("block-dirty-bitmap-remove", node=DISK_NODE, name=name)
-
-
-def fork_waiting(pair: int) -> str:
-    """The kind of the QEMU waiting on the VM's pair of spares number
-    ``pair`` (see blockdiff.vm.standby), for a fork."""
-    return f"{WAITING_FORK}{pair}."
-
-
-def _usage(pid: int | None) -> tuple[float, float, int] | None:
-    """CPU seconds process ``pid`` and the whole host (every core, less idle
-    and I/O wait) have run so far, and the major page faults (those that
-    read from the disk) of ``pid``, from /proc; None if unreadable."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-        with open("/proc/stat") as stat:
-            host = [int(n) for n in stat.readline().split()[1:]]
-    except (OSError, ValueError, TypeError):
-        return None
-    tick = os.sysconf("SC_CLK_TCK")
-    return ((int(fields[11]) + int(fields[12])) / tick,   # utime + stime
-            (sum(host) - host[3] - host[4]) / tick,       # less idle, iowait
-            int(fields[9]))                               # majflt
-
-
-def _cmdline(pid: int) -> list[str]:
-    """The command line of process ``pid`` (OSError if there is none)."""
-    return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
-
-
-def _memory_path(cmdline: list[str]) -> Path | None:
-    """The file a QEMU command line keeps guest RAM in, if any."""
-    for arg in cmdline:
-        if arg.startswith("memory-backend-file,"):
-            for option in arg.split(","):
-                if option.startswith("mem-path="):
-                    return Path(option[len("mem-path="):])
-    return None
-
-
-def _holds(pid: int, *paths: Path) -> bool:
-    """Whether process ``pid`` has the files now at ``paths`` open (QEMU
-    keeps its disk and its memory image open: they stay its files when
-    renamed, and another file renamed to a path is not)."""
-    try:
-        wanted = {(st.st_dev, st.st_ino) for st in map(os.stat, paths)}
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return False
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            st = os.stat(f"/proc/{pid}/fd/{fd}")
-            wanted.discard((st.st_dev, st.st_ino))
-    return not wanted
-
-
-def _is_qemu(cmdline: list[str]) -> bool:
-    return bool(cmdline) and os.path.basename(cmdline[0]).startswith("qemu-system")
-
-
-def _after(cmdline: list[str], option: str) -> str:
-    """The argument after ``option`` (ValueError if there is none)."""
-    at = cmdline.index(option) + 1
-    if at >= len(cmdline):
-        raise ValueError(option)
-    return cmdline[at]

@@ -4,7 +4,8 @@ QEMU runs daemonized (``-daemonize``): a sandbox outlives the process that
 started it. Its sockets live in the VM's directory under the store and are
 reached through ``/proc/self/fd/N/NAME``, so deep store paths never hit the
 108-byte limit of a unix socket address. What blockdiff asks of QEMU over
-QMP (pausing, dirty bitmaps) is in :class:`blockdiff.vm.machine.Machine`.
+QMP (pausing, dirty bitmaps) is in :class:`blockdiff.vm.machine.Machine` and
+:mod:`blockdiff.vm.qmp_talk`.
 """
 
 from __future__ import annotations

@@ -35,17 +35,24 @@ import os
 from dataclasses import dataclass
 
 from blockdiff.errors import StoreError, UnknownSnapshot, UnknownVM, VMError
-from blockdiff.vm import intents
-from blockdiff.vm.intents import CHECKPOINT, CREATE, FORK, RESTORE, START, Intent
+from blockdiff.vm import intents, restore
+from blockdiff.vm.checkpoint import memory_of
+from blockdiff.vm.intents import (
+    CHECKPOINT,
+    CREATE,
+    FORK,
+    REMOVE,
+    REPLACE,
+    RESTORE,
+    START,
+    STOP,
+    USE,
+    Intent,
+)
 from blockdiff.vm.machine import DEFAULT_BOOT_TIMEOUT, WAITING_FORK, Machine
 from blockdiff.vm.qemu import QMP, QMP_SOCKET
 from blockdiff.vm.registry import Registry
 
-# What the command that recovers is about to do with the VM.
-USE = "use"          # run in it, checkpoint it, start it
-REPLACE = "replace"  # restore it: its state is replaced anyway
-STOP = "stop"        # stop it
-REMOVE = "remove"    # remove it
 # Seconds QEMU has to answer ``query-status`` for ``vm ls``.
 STATUS_TIMEOUT = 5.0
 # What ``vm ls`` says of an operation whose writer runs, and of one whose
@@ -127,8 +134,8 @@ def _finish_restore(box, intent: Intent, purpose: str) -> None:
             snap = box.store.get(snapshot)
             with intents.pending(box.directory, RESTORE, **intent.args):
                 box.memory_source = ""
-                box._resume(snap, box._memory_of(snap, box.machine), DEFAULT_BOOT_TIMEOUT,
-                            start=False)
+                restore.resume(box, snap, restore.memory_to_resume(box, snap, box.machine),
+                               DEFAULT_BOOT_TIMEOUT, start=False)
         else:
             # A disk-only restore leaves the VM stopped at the snapshot's disk
             # (it was killed with the guest detached); one with memory
@@ -165,21 +172,11 @@ def _finish_fork(box, intent: Intent, purpose: str) -> None:
     box.memory_source = box.disk_source = ""   # neither file is trusted
     try:
         with intents.pending(box.directory, FORK, **intent.args):
-            box._resume(snap, memory_snap, DEFAULT_BOOT_TIMEOUT, start=start, fresh=True)
+            restore.resume(box, snap, memory_snap, DEFAULT_BOOT_TIMEOUT, start=start, fresh=True)
     except (StoreError, VMError, OSError) as e:
         raise VMError(f"VM {box.name} is an incomplete fork of {snap.id} that cannot be "
                       f"finished ({_one_line(e)}); remove it (blockdiff vm rm "
                       f"{box.name})") from None
-
-
-def fork_intent(snap, memory_snap, start: bool, standby) -> dict | None:
-    """The arguments of the intent record a fork from checkpoint ``snap``
-    (with memory ``memory_snap``; None without: nothing is left half made)
-    is registered with, taking the spares of ``standby`` if given."""
-    if memory_snap is None:
-        return None
-    return {"snapshot": snap.id, "memory": memory_snap.id, "start": start,
-            "source": standby.path.parent.name if standby is not None else None}
 
 
 def _one_line(error: BaseException) -> str:
@@ -222,14 +219,14 @@ def qemu_run_state(directory) -> str | None:
         os.close(fd)
 
 
-def status(box, memory_key: str) -> VMStatus:
+def status(box) -> VMStatus:
     """VM ``box``'s status: what it is, and the snapshot its disk descends
-    from (and whether that one's metadata has ``memory_key``)."""
+    from (and whether that one is a checkpoint with memory)."""
     snapshot, _ = box.store.lineage(box.disk)
     with_memory = False
     if snapshot is not None:
         with contextlib.suppress(UnknownSnapshot):
-            with_memory = memory_key in box.store.get(snapshot).meta
+            with_memory = memory_of(box.store.get(snapshot).meta) is not None
     what, run_state = state(box)
     return VMStatus(box.name, what == "running", box.machine.pid, snapshot, box.machine.accel,
                     box.memory_checkpoints, with_memory, what, run_state)

@@ -463,7 +463,7 @@ class Standby:
             # Warmed last, once a fork's QEMU waits on them: a pair made anew
             # after a fork spent 0.2-0.4 s warming its memory spare before
             # that QEMU started, and a fork that takes a spare not warmed
-            # warms what its guest writes first itself (see Sandbox._resume).
+            # warms what its guest writes first itself (see blockdiff.vm.restore.resume).
             SPARES_WORKER.run(request | {"op": "warm"}, idle=idle)
 
     def prepare_spares_here(self, memory_snapshot_id: str | None,

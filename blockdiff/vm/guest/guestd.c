@@ -123,6 +123,16 @@ static int find_port(char *path, size_t size)
 
 static void thaw_if_overdue(void);
 
+/* PID 1 reaps the orphans every command leaves behind. Before each request
+ * as well as after each exec: a process killed by one command may end after
+ * that command's reply, and as a zombie it would still answer kill -0 and
+ * show in ps for as long as no later exec ended. */
+static void reap_orphans(void)
+{
+    while (waitpid(-1, NULL, WNOHANG) > 0)
+        ;
+}
+
 /* Read exactly n bytes. While the host is not connected the port reports
  * POLLHUP; wait for it to come back instead of spinning. */
 static int read_full(unsigned char *buf, size_t n)
@@ -484,8 +494,7 @@ static void do_exec(uint32_t id, unsigned char *p, uint32_t len)
         close(exit_fd);
     close(pout[0]);
     close(perr[0]);
-    while (waitpid(-1, NULL, WNOHANG) > 0)  /* PID 1 reaps orphans */
-        ;
+    reap_orphans();
     int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
     unsigned char h[16];
     put32(h, (uint32_t)code);
@@ -683,6 +692,7 @@ int main(int argc, char **argv)
             send_error(id, "out of memory");
             continue;
         }
+        reap_orphans();
         switch (type) {
         case T_PING:
             send_frame(T_PING | T_REPLY, id, GUESTD_VERSION, strlen(GUESTD_VERSION), NULL, 0,
