@@ -1,7 +1,7 @@
 """Benchmark blockdiff against a full copy, a reflink clone and the kernel floor.
 
     python bench/run.py [--quick] [--repeat N] [--warmup N] [--json out.json]
-                        [--only a,b,c] [--drop-caches none|copy|all] [--cli CMD]
+                        [--only a,b,c,startup] [--drop-caches none|copy|all] [--cli CMD]
 
 BLOCKDIFF_PEER=PROGRAM adds rows for another blockdiff-compatible program.
 
@@ -12,6 +12,7 @@ Needs root (loop device + XFS mount), xfsprogs, cc and the blockdiff package
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -305,6 +306,43 @@ def run_ops(ops: list[Op], wl: workloads.Workload, mountpoint: str, repeat: int,
     return recs
 
 
+def startup_ops(cli: list[str], store: str) -> list[Op]:
+    """The start-up rows: an empty interpreter, the CLI's help, and a
+    command on an empty store of one host (its catalog read, nothing else)."""
+    name = short_command(cli)
+    return [
+        Op("python_pass", "python start-up (python -c pass)", "other",
+           lambda: proc_sample([sys.executable, "-c", "pass"])),
+        Op("cli_help", f"CLI: {name} --help", "other",
+           lambda: proc_sample(cli + ["--help"])),
+        Op("cli_log_empty", f"CLI: {name} log --store S (empty store of one host)", "other",
+           lambda: proc_sample(cli + ["log", "--store", store])),
+    ]
+
+
+def run_startup(cli: list[str], repeat: int, warmup: int) -> dict[str, dict]:
+    """Time the start-up rows in rounds, as run_ops does (no scratch
+    filesystem: nothing is written but the empty store, made first)."""
+    with tempfile.TemporaryDirectory(prefix="blockdiff-bench-startup-") as tmp:
+        store = os.path.join(tmp, "store")
+        run_proc(cli + ["init", "--allow-copy", store])
+        ops = startup_ops(cli, store)
+        samples: dict[str, list[float]] = {op.key: [] for op in ops}
+        for rnd in range(warmup + repeat):
+            for op in ops:
+                seconds = op.run().seconds
+                if rnd >= warmup:
+                    samples[op.key].append(seconds)
+    recs = {}
+    for op in ops:
+        secs = samples[op.key]
+        recs[op.key] = {"label": op.label, "median_s": statistics.median(secs),
+                        "min_s": min(secs), "max_s": max(secs), "runs_s": secs}
+        log(f"  {op.key}: median {recs[op.key]['median_s']:.4f} s"
+            f"  (runs {', '.join(f'{x:.4f}' for x in secs)})")
+    return recs
+
+
 # --------------------------------------------------------------------------
 # report
 
@@ -381,6 +419,19 @@ def table(wrec: dict) -> str:
     return "\n".join(lines)
 
 
+def startup_table(recs: dict[str, dict], repeat: int) -> str:
+    """The start-up rows: median seconds, and against an empty interpreter."""
+    base = recs["python_pass"]["median_s"]
+    lines = ["### start-up", "",
+             f"Whole processes, median of {repeat} runs; the store is empty and of one host "
+             f"(a SQLite catalog).", "",
+             "| command | median s | vs python -c pass |", "|---|--:|--:|"]
+    for r in recs.values():
+        lines.append(f"| {r['label']} | {fmt_s(r['median_s'])} "
+                     f"| {fmt_ratio(r['median_s'] / base)} |")
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------
 
 
@@ -392,7 +443,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1,
                     help="untimed rounds before the timed ones (default 1)")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    ap.add_argument("--only", default="", help="comma separated workloads to run (a,b,c)")
+    ap.add_argument("--only", default="",
+                    help="comma separated workloads to run (a,b,c), and 'startup' for the "
+                         "start-up rows")
     ap.add_argument("--drop-caches", choices=("none", "copy", "all"), default="copy",
                     help="drop the page cache before each run of: nothing, the full copy "
                          "(default), every operation")
@@ -413,15 +466,18 @@ def main(argv=None) -> int:
         ap.error("--cli must not be empty")
     if shutil.which(cli[0]) is None:
         ap.error(f"--cli: {cli[0]} not found")
-    if os.geteuid() != 0:
+    only = {x for x in args.only.split(",") if x}
+    specs = [spec for spec in workloads.specs(args.quick) if not only or spec.name in only]
+    startup = not only or "startup" in only
+    # The start-up rows need neither root nor a scratch filesystem.
+    if specs and os.geteuid() != 0:
         print("bench/run.py needs root (loop device, mount, drop_caches)", file=sys.stderr)
         return 2
-    reason = scratch.filesystem_unavailable_reason("xfs")
+    reason = scratch.filesystem_unavailable_reason("xfs") if specs else None
     if reason:
         print(f"bench/run.py: cannot make a scratch XFS filesystem: {reason}", file=sys.stderr)
         return 2
 
-    only = {x for x in args.only.split(",") if x}
     formats = [f for f in args.formats.split(",") if f]
     peer = shlex.split(os.environ["BLOCKDIFF_PEER"]) if os.environ.get("BLOCKDIFF_PEER") else None
     if peer and shutil.which(peer[0]) is None and not os.path.exists(peer[0]):
@@ -447,6 +503,7 @@ def main(argv=None) -> int:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     results: list[dict] = []
+    startup_recs: dict[str, dict] | None = None
     dropped = {"none": "nothing", "copy": "the full copy", "all": "every operation"}
     print(f"## blockdiff benchmark ({'quick' if args.quick else 'full'} sizes)\n\n"
           f"Linux {meta['kernel']} {meta['machine']}, {meta['cpus']} CPUs, Python "
@@ -460,11 +517,16 @@ def main(argv=None) -> int:
         global RUSAGE
         floor = compile_c(bindir, "floor")
         RUSAGE = compile_c(bindir, "rusage")
-        with workloads.scratch_xfs(workloads.mount_size(args.quick), args.workdir) as mnt:
-            log(f"scratch XFS on {workloads.mount_source(mnt)} at {mnt}")
-            for spec in workloads.specs(args.quick):
-                if only and spec.name not in only:
-                    continue
+        if startup:
+            log("start-up rows")
+            startup_recs = run_startup(cli, args.repeat, args.warmup)
+            print(startup_table(startup_recs, args.repeat) + "\n", flush=True)
+        with contextlib.ExitStack() as stack:
+            if specs:
+                mnt = stack.enter_context(
+                    workloads.scratch_xfs(workloads.mount_size(args.quick), args.workdir))
+                log(f"scratch XFS on {workloads.mount_source(mnt)} at {mnt}")
+            for spec in specs:
                 log(f"workload {spec.name}: building ({spec.description})")
                 wl = workloads.build(spec, mnt)
                 log(f"workload {spec.name}: built in {wl.build_s:.1f} s, target "
@@ -481,7 +543,8 @@ def main(argv=None) -> int:
 
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "workloads": results}, f, indent=2)
+            json.dump({"meta": meta, "startup": startup_recs, "workloads": results}, f,
+                      indent=2)
         log(f"wrote {args.json}")
     bad = [(w["workload"]["spec"]["name"], k) for w in results for k, r in w["ops"].items()
            if r.get("verified") is False]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -266,6 +268,40 @@ def test_json_of_agent_gc(agent_store):
 
 
 # ---------------------------------------------------- the small things
+
+
+# ``python -c`` with MODULES (JSON) and a command's arguments: runs the
+# command, then prints which of MODULES its process imported.
+_IMPORTED = ("import json, sys\n"
+             "from blockdiff.cli import main\n"
+             "try:\n"
+             "    main(sys.argv[2:])\n"
+             "except SystemExit as e:\n"
+             "    assert not e.code, e.code\n"
+             "print(json.dumps(sorted(set(sys.modules) & set(json.loads(sys.argv[1])))))")
+SHARED_STORE_DRIVERS = ["psycopg", "boto3", "botocore"]
+
+
+def imported(modules, *args) -> list[str]:
+    """Which of ``modules`` the process of ``blockdiff ARGS`` imported."""
+    done = subprocess.run([sys.executable, "-c", _IMPORTED, json.dumps(modules),
+                           *map(str, args)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_a_store_of_one_host_starts_without_the_shared_stores_drivers(line):
+    """PostgreSQL's driver and the object store's are imported only for a
+    shared store (each costs a tenth of a second or more at start-up), and
+    numpy and the native core only by what reads maps or layers."""
+    root, _, ids = line
+    heavy = SHARED_STORE_DRIVERS + ["numpy", "blockdiff._native"]
+    assert imported(heavy, "log", "--store", root) == []
+    assert imported(heavy, "log", "--store", root, ids[-1], "--json") == []
+    assert imported(heavy, "--help") == []
+    assert imported(SHARED_STORE_DRIVERS, "diff", "--store", root, ids[0], ids[-1]) == []
+    # The probe sees what it should: a command that reads a map loads numpy.
+    assert imported(["numpy"], "diff", "--store", root, ids[0], ids[-1]) == ["numpy"]
 
 
 def test_restore_says_what_it_did(line, xfs):

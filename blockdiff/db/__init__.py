@@ -23,7 +23,9 @@ options and ignores the other's (:func:`open_database` says which).
   migration group's name: ``catalog``, ``agent``, ``langgraph``), since the
   agent records and the LangGraph checkpoints both have a ``checkpoints``
   table. :func:`public_url` is a URL without its secrets, for display and storage
-  (:mod:`blockdiff.db.conninfo`).
+  (:mod:`blockdiff.db.conninfo`). :mod:`blockdiff.db.postgresql`, and psycopg
+  with it, is imported only when a PostgreSQL database is opened (or one of
+  its names is asked of this package): a store of one host starts without it.
 
 One connection per process is shared by its threads: ``db.lock``
 (reentrant) is held by every transaction and every statement, whose rows
@@ -124,7 +126,6 @@ import os
 
 from blockdiff.db.conninfo import is_url, public_url
 from blockdiff.db.migrations import Migrations, migrate, schema_version
-from blockdiff.db.postgresql import PostgreSQLDatabase, open_postgresql
 from blockdiff.db.protocol import Database, Rows, damaged
 from blockdiff.db.sqlite import SQLiteDatabase, connect, create_private
 
@@ -136,6 +137,17 @@ __all__ = ["Database", "Migrations", "PostgreSQLDatabase", "Rows", "SQLiteDataba
 _SQLITE_OPTIONS = frozenset({"create", "mode", "foreign_keys", "secure_delete", "readonly",
                              "timeout"})
 _POSTGRESQL_OPTIONS = frozenset({"schema", "connect_timeout", "timeout", "readonly"})
+# Names of blockdiff.db.postgresql offered here, imported on first use: it
+# imports psycopg, a tenth of a second that a store of one host never needs.
+_POSTGRESQL_NAMES = frozenset({"PostgreSQLDatabase", "open_postgresql"})
+
+
+def __getattr__(name: str):
+    if name in _POSTGRESQL_NAMES:
+        from blockdiff.db import postgresql
+
+        return getattr(postgresql, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def open_database(target: str | os.PathLike, **options) -> Database:
@@ -150,6 +162,8 @@ def open_database(target: str | os.PathLike, **options) -> Database:
     if unknown:
         raise TypeError(f"open_database() got unknown options: {', '.join(sorted(unknown))}")
     if is_url(target):
+        from blockdiff.db.postgresql import open_postgresql
+
         return open_postgresql(target, **{k: v for k, v in options.items()
                                           if k in _POSTGRESQL_OPTIONS})
     return connect(target, **{k: v for k, v in options.items() if k in _SQLITE_OPTIONS})

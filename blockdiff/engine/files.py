@@ -1,6 +1,8 @@
 """Files written whole or not at all, whole-file reflinks with a copy as
 the fallback, and small files read within bounds: what every layer that
-writes a result or reads a configuration shares."""
+writes a result or reads a configuration shares. The native core (and numpy
+with it) is imported by the functions that write, so that reading a small
+file (a store's configuration, at every start-up) does without them."""
 
 from __future__ import annotations
 
@@ -10,8 +12,6 @@ import json
 import os
 import re
 import stat
-
-from blockdiff import native
 
 # Errors that mean "these two files cannot share extents": copy instead.
 _NO_REFLINK = {errno.EXDEV, errno.EOPNOTSUPP, errno.ENOTTY, errno.EINVAL, errno.ENOSYS}
@@ -101,6 +101,8 @@ def clone_or_copy(src_fd: int, dst_fd: int, size: int, path: str) -> bool:
     """Make ``dst_fd`` a whole-file reflink of ``src_fd``, or where reflink
     cannot be had (another filesystem, none at all) a copy keeping holes.
     True when it is a reflink."""
+    from blockdiff import native  # here, not at the top: it loads numpy
+
     try:
         native.clone_file(dst_fd, src_fd, path)
         return True
@@ -146,6 +148,8 @@ def atomic_output(final_path: str, mode: int = 0o666):
     is a symbolic link is replaced by the new file; what it pointed to is
     left untouched.
     """
+    from blockdiff import native
+
     directory = os.path.dirname(os.path.abspath(final_path))
     temp = temp_beside(final_path)
     try:

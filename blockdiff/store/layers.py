@@ -339,10 +339,10 @@ class Layers:
                 native.transfer_ranges(f.fileno(), out_fd, pos, offset, length, out_path,
                                        reflink=not copy, checksums=copy, progress=progress)
 
-    def adopt_unrecorded(self, lock: StoreLock) -> None:
+    def adopt_unrecorded(self, lock: StoreLock, unrecorded: set[int]) -> None:
         """Stores made before layers had records: record each layer file a
-        snapshot uses, its chunks checksummed as they are now."""
-        unrecorded = self.catalog.unrecorded_layers()
+        snapshot uses (``unrecorded``: the catalog's ``unrecorded_layers()``),
+        its chunks checksummed as they are now."""
         for layer in sorted(unrecorded):
             path = self.files.layer_path(layer)
             if not path.exists():

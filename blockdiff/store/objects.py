@@ -17,7 +17,6 @@ import os
 import threading
 from pathlib import Path
 
-from blockdiff import native
 from blockdiff.errors import ObjectInTheWay
 
 
@@ -176,6 +175,8 @@ class ObjectFiles:
         """Remove the files of ``objects/`` not named in ``keep``, and staged
         files of processes that are gone; the bytes freed. Only under the
         exclusive store lock, with ``keep`` read under it."""
+        from blockdiff import native  # here, not at the top: it loads numpy
+
         freed = 0
         for path in self.objects.iterdir():
             if path.name not in keep:

@@ -66,7 +66,6 @@ from blockdiff.db.conninfo import (
 from blockdiff.engine.files import UnreadableFile, read_json_file
 from blockdiff.errors import ConstraintFailed, Damaged, StoreError, UsageError
 from blockdiff.store.catalog import Catalog, Snapshot
-from blockdiff.store.layers import file_identity
 from blockdiff.store.objects import ObjectFiles, StoreLock, fsync_dir
 
 SHARED_FILE = "shared.json"
@@ -261,6 +260,7 @@ class Fetcher:
         before it enters ``objects/``; the bytes downloaded (0 if another
         process of this host got it first). ``replace``: this host's copy is
         damaged, and is replaced by the object store's."""
+        from blockdiff.store.layers import file_identity
         from blockdiff.store.remote import ChunkChecksums, layer_key
         final = self.files.layer_path(layer)
         if final.exists() and not replace:

@@ -12,15 +12,18 @@ import contextlib
 import os
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from blockdiff.errors import StoreError
 from blockdiff.store.catalog import Catalog, Snapshot
 from blockdiff.store.ids import find_snapshot
-from blockdiff.store.layers import Layers
 from blockdiff.store.lineage import lineage_record
-from blockdiff.store.maps import Maps, SnapshotMap
 from blockdiff.store.objects import ObjectFiles, StoreLock
 from blockdiff.store.shared import REMOTE_SETTING, Fetcher, SharedConfig, open_remote
+
+if TYPE_CHECKING:
+    from blockdiff.store.layers import Layers
+    from blockdiff.store.maps import Maps, SnapshotMap
 
 # A preallocated file the store deletes to make room when the disk is full,
 # so that rm and gc can still open the catalog and free space.
@@ -49,13 +52,44 @@ class StoreState:
         self.lock = StoreLock(root / "lock", self.file_mode)
         self.object_files = ObjectFiles(root, self.object_mode)
         self.objects, self.staging = self.object_files.objects, self.object_files.staging
-        self.maps = Maps(catalog, self.object_files)
-        self.layers = Layers(catalog, self.object_files)
+        # The maps and the layers are made when first used: their modules load
+        # numpy and the native core, which what reads only the catalog (log,
+        # and so every one-host command's start-up) does without.
+        self._maps: Maps | None = None
+        self._layers: Layers | None = None
+        self._parts_lock = threading.Lock()
+        # In a shared store, what brings the maps and layers this host lacks.
+        self._fetcher = None
         if shared is not None:
             catalog.host = shared.host
-            fetcher = Fetcher(catalog, self.object_files, self.lock, lambda: self.remote,
-                              shared.host)
-            self.maps.fetcher = self.layers.fetcher = fetcher
+            self._fetcher = Fetcher(catalog, self.object_files, self.lock,
+                                    lambda: self.remote, shared.host)
+
+    @property
+    def maps(self) -> Maps:
+        """The snapshots' map files, read through their chains and a cache."""
+        if self._maps is None:
+            with self._parts_lock:
+                if self._maps is None:
+                    from blockdiff.store.maps import Maps
+
+                    maps = Maps(self.catalog, self.object_files)
+                    maps.fetcher = self._fetcher
+                    self._maps = maps
+        return self._maps
+
+    @property
+    def layers(self) -> Layers:
+        """The layers' data files and their checked records."""
+        if self._layers is None:
+            with self._parts_lock:
+                if self._layers is None:
+                    from blockdiff.store.layers import Layers
+
+                    layers = Layers(self.catalog, self.object_files)
+                    layers.fetcher = self._fetcher
+                    self._layers = layers
+        return self._layers
 
     @property
     def remote(self):

@@ -36,15 +36,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import grp
+import importlib
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-
-from blockdiff import native
 from blockdiff.db.conninfo import public_url
-from blockdiff.engine import diff as engine
-from blockdiff.engine.extents import RangeSet
 from blockdiff.errors import (
     AmbiguousId,
     Damaged,
@@ -57,14 +54,10 @@ from blockdiff.errors import (
     UsageError,
 )
 from blockdiff.progress import NO_PROGRESS, Progress
-from blockdiff.store import compaction, images, removal, replication, transfer, verify
 from blockdiff.store.catalog import Catalog, Snapshot
 from blockdiff.store.ids import layer_number
-from blockdiff.store.images import BLOCK, RestoreResult, Written
 from blockdiff.store.lineage import LINEAGE_XATTR
-from blockdiff.store.maps import MAP_CHAIN, MAP_ERRORS, SnapshotMap
 from blockdiff.store.objects import fsync_dir, unlink
-from blockdiff.store.removal import Removal
 from blockdiff.store.shared import (
     PASSFILE,
     REMOTE_SETTING,
@@ -79,13 +72,40 @@ from blockdiff.store.shared import (
     write_passfile,
 )
 from blockdiff.store.state import StoreState
-from blockdiff.store.transfer import EXPORT_MAGIC, ImportResult, read_export_record
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from blockdiff.engine import diff as engine
+    from blockdiff.engine.extents import RangeSet
+    from blockdiff.store import replication, verify
+    from blockdiff.store.images import RestoreResult, Written
+    from blockdiff.store.maps import MAP_CHAIN, MAP_ERRORS, SnapshotMap
+    from blockdiff.store.removal import Removal
+    from blockdiff.store.transfer import EXPORT_MAGIC, ImportResult, read_export_record
 
 # Names other packages import from here.
 __all__ = ["EXPORT_MAGIC", "LINEAGE_XATTR", "MAP_CHAIN", "MAP_ERRORS", "STORE_ENV",
            "AmbiguousId", "Damaged", "ImageBusy", "ImportResult", "Removal", "RestoreResult",
            "SnapshotMap", "Store", "StoreError", "UnknownSnapshot", "Written", "as_store",
            "open_store", "read_export_record"]
+
+# Those of them that the operation modules have, imported from there when
+# first asked for, as each operation imports its module when it runs: they
+# load numpy and the native core, which opening a store and reading its
+# catalog (log, and so every one-host command's start-up) do without.
+_OPERATION_NAMES = {"EXPORT_MAGIC": "transfer", "ImportResult": "transfer",
+                    "read_export_record": "transfer", "MAP_CHAIN": "maps",
+                    "MAP_ERRORS": "maps", "SnapshotMap": "maps", "Removal": "removal",
+                    "RestoreResult": "images", "Written": "images"}
+
+
+def __getattr__(name: str):
+    if name not in _OPERATION_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f"blockdiff.store.{_OPERATION_NAMES[name]}")
+    return getattr(module, name)
+
 
 STORE_ENV = "BLOCKDIFF_STORE"
 
@@ -124,7 +144,9 @@ class Store(StoreState):
             self.catalog.close()
             raise Damaged(f"{path} is damaged ({'; '.join(problems)}); {repair}")
         super().__init__(self.root, self.catalog)
-        self.layers.adopt_unrecorded(self.lock)
+        unrecorded = self.catalog.unrecorded_layers()
+        if unrecorded:   # asked first: the layers' module loads numpy
+            self.layers.adopt_unrecorded(self.lock, unrecorded)
         if not freeing:
             self.keep_reserve()
 
@@ -254,6 +276,9 @@ class Store(StoreState):
     @staticmethod
     def _probe_reflink(root: Path, allow_copy: bool) -> str:
         """"reflink", or "copy" on a filesystem without it if ``allow_copy``."""
+        from blockdiff import native
+        from blockdiff.store.images import BLOCK
+
         probe = root / f".probe-{os.getpid()}"
         try:
             with open(probe, "w+b") as a, open(str(probe) + ".clone", "wb") as b:
@@ -303,6 +328,8 @@ class Store(StoreState):
 
     def differences(self, a: Snapshot, b: Snapshot) -> RangeSet:
         """The ranges where snapshot ``b`` holds other bytes than ``a``."""
+        from blockdiff.store import images
+
         return images.differences(self, a, b)
 
     def diff(self, a: str, b: str) -> RangeSet:
@@ -316,6 +343,8 @@ class Store(StoreState):
         layers, not inherited from further back), as far back as they add up
         to at most ``limit`` bytes: where the image was written lately, and
         so is likely to be written again."""
+        import numpy as np
+
         snap = self.get(snapshot_id)
         pieces = self.load_map(snap).pieces
         recent, total = [], 0
@@ -355,6 +384,8 @@ class Store(StoreState):
         in the background (:meth:`push_in_background`).
 
         ``progress`` (see blockdiff.progress) hears of the bytes checksummed."""
+        from blockdiff.store import images
+
         snap = images.commit(self, image, parent=parent, message=message, meta=meta, ttl=ttl,
                              skip_unchanged=skip_unchanged, written=written,
                              imported=_imported, progress=progress)
@@ -378,6 +409,8 @@ class Store(StoreState):
         from the parent's, found by reading both when finishing; for images
         such as a VM's memory, whose changed extents hold many pages written
         back unchanged."""
+        from blockdiff.store import images
+
         with images.capturing(self, image, parent=parent, written=written,
                               only_changed_pages=only_changed_pages) as capture:
             capture.on_commit = self._push_committed
@@ -398,6 +431,8 @@ class Store(StoreState):
     def _pushed_after(self, snapshot_id: str | None) -> None:
         """After an operation that wrote objects: push them now, or ask the
         background pusher to."""
+        from blockdiff.store import replication
+
         pusher = getattr(self, "_pusher", None)
         if pusher is not None:
             pusher.request()
@@ -408,12 +443,16 @@ class Store(StoreState):
              progress: Progress = NO_PROGRESS) -> replication.PushResult:
         """Upload what this host wrote that the object store lacks (all of
         it, or what one snapshot needs)."""
+        from blockdiff.store import replication
+
         return replication.push(self, snapshot_id, progress)
 
     def push_in_background(self) -> replication.BackgroundPush:
         """From now on commits return once committed here and are uploaded by
         a thread of this store's (see ``BackgroundPush``); what is pending
         already is pushed at once."""
+        from blockdiff.store import replication
+
         if self.shared is None:
             raise StoreError(f"{self.root} is a store of one host: nothing to push")
         if getattr(self, "_pusher", None) is None:
@@ -429,6 +468,8 @@ class Store(StoreState):
 
     def pull(self, snapshot_id: str) -> int:
         """Fetch what a snapshot needs onto this host; the bytes downloaded."""
+        from blockdiff.store import replication
+
         fetched = replication.pull(self, snapshot_id)
         if fetched:
             self._keep_cache()
@@ -436,15 +477,21 @@ class Store(StoreState):
 
     def _keep_cache(self) -> None:
         """After a fetch: evict down to the host's cache size, if it has one."""
+        from blockdiff.store import replication
+
         if self.shared is not None and self.shared.cache_size is not None:
             replication.evict(self, self.shared.cache_size)
 
     def placement(self) -> list[replication.Placement]:
         """Where every snapshot is, newest first: here or not, durable or not."""
+        from blockdiff.store import replication
+
         return replication.placement(self)
 
     def placement_of(self, snapshot_id: str) -> replication.Placement:
         """Where one snapshot is: here or not, durable or not."""
+        from blockdiff.store import replication
+
         return replication.placement_of(self, self.get(snapshot_id))
 
     def durable(self, snapshot_id: str) -> bool:
@@ -455,13 +502,18 @@ class Store(StoreState):
     def evict(self, cache_size: int) -> tuple[list[int], int]:
         """Drop this host's least recently used uploaded layer copies until
         they take at most ``cache_size`` bytes; the layers and bytes freed."""
+        from blockdiff.store import replication
+
         return replication.evict(self, cache_size)
 
-    def sweep_remote(self, grace: float = replication.SWEEP_GRACE) -> int:
+    def sweep_remote(self, grace: float | None = None) -> int:
         """Delete the objects no snapshot uses and abort the uploads never
         completed, of those ``grace`` seconds old (by the object store's
-        clock; an hour by default); how many went."""
-        return replication.sweep_remote(self, grace)
+        clock; None: ``SWEEP_GRACE``, an hour); how many went."""
+        from blockdiff.store import replication
+
+        return replication.sweep_remote(
+            self, replication.SWEEP_GRACE if grace is None else grace)
 
     def restore(self, snapshot_id: str, image: str | os.PathLike, *,
                 written: Written | None = None,
@@ -485,6 +537,8 @@ class Store(StoreState):
         image of no snapshot) checks; an in-place restore reads only the
         little it rewrites.
         """
+        from blockdiff.store import images
+
         result = images.restore(self, snapshot_id, image, written=written, progress=progress)
         if result.fetched_bytes:
             self._keep_cache()
@@ -495,6 +549,8 @@ class Store(StoreState):
         that are not the snapshot's by their extents (one FIEMAP, no data
         read); None where this host cannot tell (no extent map of the
         snapshot holds here)."""
+        from blockdiff.store import images
+
         return images.unlike(self, snapshot_id, image)
 
     # ------------------------------------------------------------ transfer
@@ -504,6 +560,8 @@ class Store(StoreState):
         """Write one portable file from which another store recreates a snapshot:
         on its own, or on top of ``since``, an ancestor the other store has.
         ``progress`` hears of the layer bytes checked and the data written."""
+        from blockdiff.store import transfer
+
         return transfer.export(self, snapshot_id, out, since, progress)
 
     def import_(self, path: str | os.PathLike, *,
@@ -513,6 +571,8 @@ class Store(StoreState):
         (``skipped`` says so), and an id this store once had and removed, or
         one naming an object it holds, is refused. ``progress`` hears of the
         bytes checked and checksummed."""
+        from blockdiff.store import transfer
+
         return transfer.import_(self, path, progress)
 
     # --------------------------------------------------------- maintenance
@@ -529,6 +589,8 @@ class Store(StoreState):
         stays durable: if that needs the object store and it fails,
         ``RemoteError`` and nothing is compacted.
         """
+        from blockdiff.store import compaction
+
         # The new layer and maps of a durable snapshot (and of those built on
         # it) are uploaded before the switch (blockdiff.store.compaction); a
         # snapshot not uploaded yet waits for a push, as it did. No push
@@ -545,11 +607,15 @@ class Store(StoreState):
         # The maps rewritten whole that must be durable are uploaded before
         # the switch (blockdiff.store.removal); the others wait for a push,
         # as they did before.
+        from blockdiff.store import removal
+
         return removal.rm(self, snapshot_id)
 
     def gc(self, policy, *, now: float | None = None, dry_run: bool = False) -> Removal:
         """Remove expired snapshots and those the policy does not keep, then
         sweep files no snapshot uses (left by interrupted operations)."""
+        from blockdiff.store import removal
+
         return removal.gc(self, policy, now=now, dry_run=dry_run)
 
     def verify(self, snapshot_id: str | None = None, *,
@@ -564,6 +630,8 @@ class Store(StoreState):
         are vouched for (see ``VOUCH_SECONDS``). ``progress`` hears of the
         layer bytes read.
         """
+        from blockdiff.store import verify
+
         return verify.verify(self, snapshot_id, progress)
 
     def repair(self, snapshot_id: str | None = None, *,
@@ -573,6 +641,8 @@ class Store(StoreState):
         store's, checked against the catalog first; then verify again what
         was replaced. Returns the files fetched again and the problems that
         remain."""
+        from blockdiff.store import verify
+
         return verify.repair(self, snapshot_id, progress)
 
 
