@@ -62,19 +62,21 @@ from blockdiff.agent.agent import (
     TRACE_POINTS,
     Agent,
     AgentDB,
-    AgentError,
     ApprovalPending,
     Fence,
     FencedOff,
     NotApplied,
+    Tool,
+)
+from blockdiff.agent.disks import ImageDisk
+from blockdiff.errors import (
+    AgentError,
+    BlockdiffError,
     ThreadBusy,
     ThreadFailed,
-    Tool,
     ToolFailed,
     UnknownThread,
 )
-from blockdiff.agent.disks import ImageDisk
-from blockdiff.errors import BlockdiffError
 from blockdiff.store.store import open_store
 
 # This example's own points, passed inside an order's step:

@@ -21,7 +21,6 @@ from blockdiff.demo.scratch import (  # noqa: F401
     MOUNT_PREFIX,
     REFLINK_KINDS,
     SKIP_ENV,
-    FilesystemError,
     cleanup_stale_mounts,
     default_tmp_dir,
     filesystem_unavailable_reason,

@@ -18,20 +18,23 @@ from blockdiff.agent.agent import (
     NOT_APPLIED,
     Agent,
     AgentDB,
-    AgentError,
     ApprovalPending,
-    InDoubt,
-    ThreadBusy,
-    ThreadFailed,
     Tool,
-    UnknownCheckpoint,
-    UnknownThread,
     fork_thread,
     rewind_thread,
 )
 from blockdiff.agent.disks import DiskKind, ImageDisk
-from blockdiff.agent.sealing import SealingError, new_key
-from blockdiff.errors import SchemaTooNew
+from blockdiff.agent.sealing import new_key
+from blockdiff.errors import (
+    AgentError,
+    InDoubt,
+    SchemaTooNew,
+    SealingError,
+    ThreadBusy,
+    ThreadFailed,
+    UnknownCheckpoint,
+    UnknownThread,
+)
 from blockdiff.store.store import Store
 
 MiB = 1 << 20

@@ -11,12 +11,12 @@ import pytest
 from clirun import as_json, cli, error_line, short_prefix
 
 from blockdiff.agent import model
-from blockdiff.agent.agent import Agent, AgentDB, EnvironmentChanged, Tool, fork_thread
+from blockdiff.agent.agent import Agent, AgentDB, Tool, fork_thread
 from blockdiff.agent.diff import Change, diff_checkpoints, json_changes
 from blockdiff.agent.disks import ImageDisk
 from blockdiff.agent.model import Environment
 from blockdiff.agent.sealing import Codec, new_key
-from blockdiff.errors import SealingError, UsageError
+from blockdiff.errors import EnvironmentChanged, SealingError, UsageError
 from blockdiff.store.store import Store
 
 MiB = 1 << 20

@@ -14,9 +14,10 @@ import pytest
 from clirun import as_json, cli, error_line, short_prefix
 
 from blockdiff.agent import agent as agent_module
-from blockdiff.agent.agent import Agent, AgentDB, AmbiguousCheckpoint, UnknownCheckpoint
+from blockdiff.agent.agent import Agent, AgentDB
+from blockdiff.errors import AmbiguousCheckpoint, AmbiguousId, UnknownCheckpoint, UnknownSnapshot
 from blockdiff.store.catalog import Snapshot
-from blockdiff.store.store import AmbiguousId, Store, UnknownSnapshot
+from blockdiff.store.store import Store
 from scenarios import make_base_image
 
 BLOCK = 4096

@@ -17,6 +17,7 @@ import pytest
 
 import filesystems
 import scenarios
+from blockdiff.errors import FilesystemError
 from filesystems import FIEMAP_EXTENT_SHARED, FIEMAP_EXTENT_UNWRITTEN, KINDS, data_ranges, fiemap
 from scenarios import BLOCK, SCENARIOS, assert_same_bytes
 
@@ -359,7 +360,7 @@ def test_cleanup_when_setup_fails(mkfs, mount_root, monkeypatch):
     require("xfs")
     # ext4 on the device makes "mount -t xfs" fail after mkfs succeeded.
     monkeypatch.setitem(filesystems.MKFS, "xfs", mkfs)
-    with pytest.raises(filesystems.FilesystemError):
+    with pytest.raises(FilesystemError):
         with filesystems.mounted_filesystem("xfs", tmp_dir=mount_root):
             pass
     assert not any(str(mount_root) in m for m in mount_points())
@@ -368,7 +369,7 @@ def test_cleanup_when_setup_fails(mkfs, mount_root, monkeypatch):
 
 def test_busy_mount_is_lazily_unmounted_and_reported(mount_root):
     require("xfs")
-    with pytest.raises(filesystems.FilesystemError, match="busy"):
+    with pytest.raises(FilesystemError, match="busy"):
         with filesystems.mounted_filesystem("xfs", tmp_dir=mount_root) as mnt:
             work = mnt.parent
             leaked = open(mnt / "f", "wb")

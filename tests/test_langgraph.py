@@ -30,20 +30,21 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.types import Command, interrupt
 
 from blockdiff.agent.disks import ImageDisk
-from blockdiff.agent.langgraph import (
-    DB_NAME,
-    BlockdiffSaver,
+from blockdiff.agent.langgraph import DB_NAME, BlockdiffSaver
+from blockdiff.errors import (
+    BlockdiffError,
     DiskWaitTimeout,
     MissingConfigKey,
     NoDiskSnapshot,
     SaverError,
+    SchemaTooNew,
     SnapshotsNotRemoved,
+    StoreError,
     ThreadNotEmpty,
     UnknownSaverCheckpoint,
     UnknownStrategy,
 )
-from blockdiff.errors import BlockdiffError, SchemaTooNew
-from blockdiff.store.store import Store, StoreError
+from blockdiff.store.store import Store
 
 BLOCK = 4096
 SIZE = 16 * BLOCK

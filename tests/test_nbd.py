@@ -23,8 +23,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from blockdiff.errors import NBDError
 from blockdiff.vm.guestlink import connect_unix
-from blockdiff.vm.nbd import NBDClient, NBDError, dirty_ranges
+from blockdiff.vm.nbd import NBDClient, dirty_ranges
 
 GRANULARITY = 4096
 BITMAP = "snap"

@@ -542,62 +542,6 @@ def test_library_python_example(xfs, monkeypatch):
         (xfs / "srv" / "sandboxes" / "disk.img").read_bytes()
 
 
-def _exit_table() -> dict[int, tuple[str, str]]:
-    text = README.read_text()
-    table = text[text.index("| exit | `blockdiff` | the example agent |"):]
-    rows = {}
-    for line in table.splitlines()[2:]:
-        if not line.startswith("|"):
-            break
-        code, ours, example = (c.strip() for c in line.strip("|").split("|"))
-        rows[int(code)] = (ours, example)
-    return rows
-
-
-def test_the_exit_table_is_what_the_code_returns():
-    """One table of errors, each exit status one meaning, and the README's
-    table lists exactly the statuses blockdiff exits with."""
-    import importlib
-    import importlib.util
-    import pkgutil
-
-    import blockdiff
-    from blockdiff import errors
-    from blockdiff.errors import BlockdiffError
-
-    for info in pkgutil.walk_packages(blockdiff.__path__, "blockdiff."):
-        if info.name == "blockdiff.__main__":
-            continue
-        if info.name != "blockdiff.agent.langgraph" or importlib.util.find_spec("langgraph"):
-            importlib.import_module(info.name)
-    classes, everything = [BlockdiffError], []
-    while classes:
-        cls = classes.pop()
-        everything.append(cls)
-        classes.extend(cls.__subclasses__())
-    outside = [c.__module__ + "." + c.__qualname__ for c in everything
-               if c.__module__ != errors.__name__ and not c.__module__.startswith("tests")]
-    assert not outside, f"error classes outside blockdiff.errors: {outside}"
-    # A status belongs to one family: one class sets it, the rest inherit it.
-    setters: dict[int, list[str]] = {}
-    for cls in everything:
-        if "exit_code" in vars(cls) and cls is not BlockdiffError:
-            setters.setdefault(cls.exit_code, []).append(cls.__name__)
-    assert all(len(names) == 1 for names in setters.values()), setters
-    codes = {0} | {cls.exit_code for cls in everything}
-    cli = "\n".join(p.read_text() for p in (ROOT / "blockdiff" / "cli").glob("*.py"))
-    codes |= {int(c) for c in re.findall(r"\bfail\([^\n]*?, (\d+)\)\n", cli)}
-    codes |= {int(c) for c in re.findall(r"sys\.exit\((\d+)\)", cli)}
-    rows = _exit_table()
-    assert {c for c, (ours, _) in rows.items() if ours} == codes
-    example = (ROOT / "examples" / "agent_example.py").read_text()
-    _names, values = re.search(r"^(EXIT_\w+(?:, EXIT_\w+)*) = ([\d, ]+)$", example,
-                              re.M).groups()
-    statuses = {int(v) for v in values.split(", ")}
-    assert "signal.SIGKILL" in example          # --crash-at: 128 + 9 in a shell
-    assert {c for c, (_, theirs) in rows.items() if theirs} == statuses | {137}
-
-
 def test_console_parsing_and_matching():
     """The rules above, on a made-up block."""
     commands = console_commands(textwrap.dedent("""\

@@ -18,10 +18,10 @@ import pytest
 import filesystems
 import scenarios
 from blockdiff.engine.extents import PieceTable, RangeSet, overlay, pieces_within
-from blockdiff.errors import Damaged, Unsupported
+from blockdiff.errors import Damaged, ImageBusy, StoreError, UnknownSnapshot, Unsupported
 from blockdiff.store.ids import layer_number
 from blockdiff.store.objects import layer_name
-from blockdiff.store.store import LINEAGE_XATTR, ImageBusy, Store, StoreError, UnknownSnapshot
+from blockdiff.store.store import LINEAGE_XATTR, Store
 from scenarios import SCENARIOS, make_base_image
 
 BLOCK = 4096

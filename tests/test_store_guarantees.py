@@ -21,9 +21,9 @@ import pytest
 
 import filesystems
 import scenarios
-from blockdiff.errors import InvalidDiff, UsageError
+from blockdiff.errors import Damaged, InvalidDiff, StoreError, UsageError
 from blockdiff.store.retention import Policy
-from blockdiff.store.store import EXPORT_MAGIC, Damaged, Store, StoreError
+from blockdiff.store.store import EXPORT_MAGIC, Store
 from scenarios import make_base_image
 
 SIZE = 4 * 1024 * 1024 + 777

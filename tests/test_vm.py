@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from guests import IMAGE_CACHE
 
-from blockdiff.errors import GuestTimeout, UnknownVM
-from blockdiff.store.store import Store, UnknownSnapshot
+from blockdiff.errors import GuestTimeout, UnknownSnapshot, UnknownVM
+from blockdiff.store.store import Store
 from blockdiff.vm import qemu
 from blockdiff.vm.image import build_image
 from blockdiff.vm.machine import RUNTIME_FILES, Machine

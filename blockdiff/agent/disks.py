@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from blockdiff.errors import AgentError
-from blockdiff.store.store import Store, UnknownSnapshot, as_store
+from blockdiff.errors import AgentError, UnknownSnapshot
+from blockdiff.store.store import Store, as_store
 from blockdiff.vm.checkpoint import memory_of
 from blockdiff.vm.sandbox import Sandbox
 

@@ -99,10 +99,11 @@ from blockdiff.errors import (
     SnapshotsNotRemoved,
     ThreadNotEmpty,
     UnknownSaverCheckpoint,
+    UnknownSnapshot,
     UnknownStrategy,
 )
 from blockdiff.store.shared import open_shared_database
-from blockdiff.store.store import Store, UnknownSnapshot
+from blockdiff.store.store import Store
 
 DB_NAME = "langgraph.sqlite"
 # The agent layer's checkpoints (blockdiff.agent.agent.DB_NAME), whose disk snapshots

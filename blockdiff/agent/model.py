@@ -20,13 +20,14 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from blockdiff.agent.sealing import PLAIN, Codec, SealingError, content_hash
+from blockdiff.agent.sealing import PLAIN, Codec, content_hash
 from blockdiff.db import Database, Migrations, connect, migrate
 from blockdiff.errors import (
     AgentError,
     AmbiguousCheckpoint,
     DatabaseDamaged,
     DatabaseError,
+    SealingError,
     ThreadBusy,
     UnknownCheckpoint,
     UnknownThread,
@@ -828,7 +829,7 @@ class AgentDB:
             db.execute("DELETE FROM environments WHERE id NOT IN (SELECT environment "
                        "FROM checkpoints WHERE environment IS NOT NULL)")
         from blockdiff.agent.disks import remove_disk_snapshot
-        from blockdiff.store.store import UnknownSnapshot
+        from blockdiff.errors import UnknownSnapshot
 
         for snapshot in {c.disk_snapshot for c in expired if c.disk_snapshot} - still_used:
             with contextlib.suppress(UnknownSnapshot):

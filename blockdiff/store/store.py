@@ -43,13 +43,10 @@ from typing import TYPE_CHECKING
 
 from blockdiff.db.conninfo import public_url
 from blockdiff.errors import (
-    AmbiguousId,
     Damaged,
     DatabaseDamaged,
-    ImageBusy,
     RemoteError,
     StoreError,
-    UnknownSnapshot,
     Unsupported,
     UsageError,
 )
@@ -85,10 +82,10 @@ if TYPE_CHECKING:
     from blockdiff.store.transfer import EXPORT_MAGIC, ImportResult, read_export_record
 
 # Names other packages import from here.
+# Not its errors: those are imported from blockdiff.errors.
 __all__ = ["EXPORT_MAGIC", "LINEAGE_XATTR", "MAP_CHAIN", "MAP_ERRORS", "STORE_ENV",
-           "AmbiguousId", "Damaged", "ImageBusy", "ImportResult", "Removal", "RestoreResult",
-           "SnapshotMap", "Store", "StoreError", "UnknownSnapshot", "Written", "as_store",
-           "open_store", "read_export_record"]
+           "ImportResult", "Removal", "RestoreResult", "SnapshotMap", "Store", "Written",
+           "as_store", "open_store", "read_export_record"]
 
 # Those of them that the operation modules have, imported from there when
 # first asked for, as each operation imports its module when it runs: they
