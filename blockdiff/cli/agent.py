@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from blockdiff.cli.options import dry_run_option, json_option, open_store, store_option
+from blockdiff.cli.options import dry_run_option, json_option, with_store
 from blockdiff.cli.output import (
     as_dicts,
     emit_json,
@@ -29,10 +29,11 @@ def agent():
     """
 
 
-def _agent_db(store_path, codec=None):
+def _agent_db(store, codec=None):
+    """The store's agent tables, to open in a ``with``: closed with the command."""
     from blockdiff.agent.agent import AgentDB
 
-    return AgentDB(open_store(store_path), codec)
+    return AgentDB(store, codec)
 
 
 def _checkpoint_id(store, checkpoint_id: str, thread: str) -> str:
@@ -45,16 +46,17 @@ def _checkpoint_id(store, checkpoint_id: str, thread: str) -> str:
 
 
 @agent.command("threads")
-@store_option
+@with_store()
 @json_option
-def agent_threads(store_path, as_json):
+def agent_threads(store, as_json):
     """List the store's threads: status, head checkpoint, who runs it.
 
     \b
     Example:
       blockdiff agent threads --store S --json
     """
-    threads = _agent_db(store_path).threads()
+    with _agent_db(store) as db:
+        threads = db.threads()
     if as_json:
         return emit_records(threads)
     for t in threads:
@@ -66,9 +68,9 @@ def agent_threads(store_path, as_json):
 
 @agent.command("history")
 @click.argument("thread")
-@store_option
+@with_store()
 @json_option
-def agent_history(thread, store_path, as_json):
+def agent_history(thread, store, as_json):
     """THREAD's checkpoints from its head back to its start, newest first.
 
     \b
@@ -78,7 +80,8 @@ def agent_history(thread, store_path, as_json):
     from blockdiff.agent.sealing import Codec
 
     # Sealed meta shows with the key (and as null without it) in --json only.
-    history = _agent_db(store_path, Codec() if as_json else None).history(thread)
+    with _agent_db(store, Codec() if as_json else None) as db:
+        history = db.history(thread)
     if as_json:
         return emit_records(history)
     for c in history:
@@ -89,22 +92,23 @@ def agent_history(thread, store_path, as_json):
 
 
 @agent.command("tree")
-@store_option
-def agent_tree(store_path):
+@with_store()
+def agent_tree(store):
     """Every thread's checkpoints as one tree; forks and rewinds branch.
 
     \b
     Example:
       blockdiff agent tree --store S
     """
-    click.echo(_agent_db(store_path).tree(label=printable))
+    with _agent_db(store) as db:
+        click.echo(db.tree(label=printable))
 
 
 @agent.command("show")
 @click.argument("checkpoint_id", metavar="CHECKPOINT")
-@store_option
+@with_store()
 @json_option
-def agent_show(checkpoint_id, store_path, as_json):
+def agent_show(checkpoint_id, store, as_json):
     """One checkpoint: its record, execution state and messages.
 
     \b
@@ -116,12 +120,11 @@ def agent_show(checkpoint_id, store_path, as_json):
 
     from blockdiff.agent.sealing import Codec
 
-    codec = Codec()
-    db = _agent_db(store_path, codec)
-    cp = db.checkpoint(checkpoint_id)
-    checkpoint_id = cp.id   # a prefix resolved
-    state, messages = db.load(checkpoint_id)
-    environment = db.environment(cp.environment_id)
+    with _agent_db(store, Codec()) as db:
+        cp = db.checkpoint(checkpoint_id)
+        checkpoint_id = cp.id   # a prefix resolved
+        state, messages = db.load(checkpoint_id)
+        environment = db.environment(cp.environment_id)
     record = dataclasses.asdict(cp) | {
         "state": state, "messages": messages,
         "environment": environment.as_dict() if environment else None}
@@ -172,9 +175,9 @@ def _echo_calls(title: str, calls) -> None:
 @agent.command("diff")
 @click.argument("a", metavar="A")
 @click.argument("b", metavar="B")
-@store_option
+@with_store()
 @json_option
-def agent_diff(a, b, store_path, as_json):
+def agent_diff(a, b, store, as_json):
     """What changed from checkpoint A to checkpoint B, of any threads.
 
     The state key by key, the messages B added, the environment field by
@@ -191,7 +194,8 @@ def agent_diff(a, b, store_path, as_json):
     from blockdiff.agent.diff import diff_checkpoints
     from blockdiff.agent.sealing import Codec
 
-    result = diff_checkpoints(_agent_db(store_path, Codec()), a, b)
+    with _agent_db(store, Codec()) as db:
+        result = diff_checkpoints(db, a, b)
     if as_json:
         return emit_json(dataclasses.asdict(result))
     click.echo(f"a: {printable(result.a.id)}  [{printable(result.a.thread)}] step {result.a.step}")
@@ -231,9 +235,9 @@ def agent_diff(a, b, store_path, as_json):
 
 @agent.command("journal")
 @click.argument("thread")
-@store_option
+@with_store()
 @json_option
-def agent_journal(thread, store_path, as_json):
+def agent_journal(thread, store, as_json):
     """THREAD's tool calls, oldest first: request id, tool, status (and how
     a call left in doubt was settled).
 
@@ -241,7 +245,8 @@ def agent_journal(thread, store_path, as_json):
     Example:
       blockdiff agent journal --store S run-42
     """
-    entries = _agent_db(store_path).journal(thread)
+    with _agent_db(store) as db:
+        entries = db.journal(thread)
     if as_json:
         return emit_records(entries)
     for e in entries:
@@ -252,9 +257,9 @@ def agent_journal(thread, store_path, as_json):
 
 
 @agent.command("pending")
-@store_option
+@with_store()
 @json_option
-def agent_pending(store_path, as_json):
+def agent_pending(store, as_json):
     """Approvals waiting for a decision, in every thread.
 
     \b
@@ -265,7 +270,8 @@ def agent_pending(store_path, as_json):
 
     from blockdiff.agent.sealing import Codec
 
-    approvals = _agent_db(store_path).approvals(pending_only=True, codec=Codec())
+    with _agent_db(store) as db:
+        approvals = db.approvals(pending_only=True, codec=Codec())
     if as_json:
         return emit_records(approvals)
     if not approvals:
@@ -280,46 +286,47 @@ def comment_option(command):
     return click.option("-m", "--comment", default="", help="Why.")(command)
 
 
-def _decide(thread, store_path, decision, comment):
-    approval = _agent_db(store_path).decide(thread, decision, comment=comment)
+def _decide(thread, store, decision, comment):
+    with _agent_db(store) as db:
+        approval = db.decide(thread, decision, comment=comment)
     click.echo(f"{printable(thread)}: {approval.decision}; the run continues when the agent "
                f"resumes it")
 
 
 @agent.command("approve")
 @click.argument("thread")
-@store_option
+@with_store()
 @comment_option
-def agent_approve(thread, store_path, comment):
+def agent_approve(thread, store, comment):
     """Approve THREAD's pending action.
 
     \b
     Example:
       blockdiff agent approve --store S run-42 -m "ok to charge"
     """
-    _decide(thread, store_path, "approved", comment)
+    _decide(thread, store, "approved", comment)
 
 
 @agent.command("reject")
 @click.argument("thread")
-@store_option
+@with_store()
 @comment_option
-def agent_reject(thread, store_path, comment):
+def agent_reject(thread, store, comment):
     """Reject THREAD's pending action.
 
     \b
     Example:
       blockdiff agent reject --store S run-42 -m "too expensive"
     """
-    _decide(thread, store_path, "rejected", comment)
+    _decide(thread, store, "rejected", comment)
 
 
 @agent.command("rewind")
 @click.argument("thread")
 @click.argument("checkpoint_id", metavar="CHECKPOINT")
-@store_option
+@with_store()
 @json_option
-def agent_rewind(thread, checkpoint_id, store_path, as_json):
+def agent_rewind(thread, checkpoint_id, store, as_json):
     """Put THREAD (state and disk) back to CHECKPOINT.
 
     Effects of tool calls made since are compensated newest first. Those
@@ -335,7 +342,6 @@ def agent_rewind(thread, checkpoint_id, store_path, as_json):
 
     from blockdiff.agent.agent import rewind_thread
 
-    store = open_store(store_path)
     checkpoint_id = _checkpoint_id(store, checkpoint_id, thread)
     report = rewind_thread(store, thread, checkpoint_id)
     if as_json:
@@ -353,9 +359,9 @@ def agent_rewind(thread, checkpoint_id, store_path, as_json):
 @click.argument("thread")
 @click.argument("checkpoint_id", metavar="CHECKPOINT")
 @click.argument("new_thread", metavar="NEW_THREAD")
-@store_option
+@with_store()
 @json_option
-def agent_fork(thread, checkpoint_id, new_thread, store_path, as_json):
+def agent_fork(thread, checkpoint_id, new_thread, store, as_json):
     """Start NEW_THREAD from THREAD's CHECKPOINT, with a disk of its own.
 
     \b
@@ -364,7 +370,6 @@ def agent_fork(thread, checkpoint_id, new_thread, store_path, as_json):
     """
     from blockdiff.agent.agent import fork_thread
 
-    store = open_store(store_path)
     checkpoint_id = _checkpoint_id(store, checkpoint_id, thread)
     head = fork_thread(store, thread, checkpoint_id, new_thread)
     if as_json:
@@ -373,10 +378,10 @@ def agent_fork(thread, checkpoint_id, new_thread, store_path, as_json):
 
 
 @agent.command("gc")
-@store_option
+@with_store()
 @dry_run_option
 @json_option
-def agent_gc(store_path, dry_run, as_json):
+def agent_gc(store, dry_run, as_json):
     """Remove expired checkpoints and the disk snapshots only they used.
 
     A thread's head and a checkpoint an approval waits at are kept.
@@ -385,7 +390,8 @@ def agent_gc(store_path, dry_run, as_json):
     Example:
       blockdiff agent gc --store S --dry-run
     """
-    removed = _agent_db(store_path).gc(dry_run=dry_run)
+    with _agent_db(store) as db:
+        removed = db.gc(dry_run=dry_run)
     if as_json:
         return emit_json({"removed": as_dicts(removed), "dry_run": dry_run})
     verb = "would remove" if dry_run else "removed"

@@ -4,6 +4,7 @@ the ``--store`` option names."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import click
@@ -21,6 +22,21 @@ def open_store(path, *, freeing: bool = False):
     from blockdiff.store.store import open_store as open_library_store
 
     return open_library_store(path, freeing=freeing)
+
+
+def with_store(*, freeing: bool = False):
+    """A command on a store: it takes --store (:func:`store_option`) and is
+    called with ``store``, opened for it and closed when it returns or fails
+    (as borg's ``with_repository``), in place of the option's path.
+    ``freeing``: the command may free space (rm, gc), so a store opened to
+    do it may be one whose filesystem is full."""
+    def decorate(command):
+        @functools.wraps(command)
+        def with_it_open(*args, store_path, **kwargs):
+            with open_store(store_path, freeing=freeing) as store:
+                return command(*args, store=store, **kwargs)
+        return store_option(with_it_open)
+    return decorate
 
 
 def json_option(command):

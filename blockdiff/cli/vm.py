@@ -11,9 +11,8 @@ from blockdiff.cli.options import (
     json_option,
     message_option,
     meta_option,
-    open_store,
-    store_option,
     ttl_option,
+    with_store,
 )
 from blockdiff.cli.output import emit_json, emit_records, printable
 from blockdiff.cli.progress import progress_bar
@@ -34,10 +33,10 @@ def vm():
     """
 
 
-def _sandbox(store_path, name):
+def _sandbox(store, name):
     from blockdiff.vm.sandbox import Sandbox
 
-    return Sandbox(open_store(store_path), name)
+    return Sandbox(store, name)
 
 
 @vm.command("build-image")
@@ -74,7 +73,7 @@ def vm_build_image(directory, kernel_package, kernel_image, modules, disk_size, 
 
 @vm.command("create")
 @click.argument("name")
-@store_option
+@with_store()
 @click.option("--image", type=click.Path(dir_okay=False, exists=True),
               help="Raw disk image to start from (copied; reflinked when it can be).")
 @click.option("--from", "snapshot_id", metavar="ID", help="Store snapshot to start from.")
@@ -86,7 +85,7 @@ def vm_build_image(directory, kernel_package, kernel_image, modules, disk_size, 
 @click.option("--disk-only", is_flag=True,
               help="Checkpoints hold the disk only (by default they hold RAM and device "
                    "state too, so a restore or fork brings the processes back).")
-def vm_create(name, store_path, image, snapshot_id, kernel, memory, cpus, disk_only):
+def vm_create(name, store, image, snapshot_id, kernel, memory, cpus, disk_only):
     """Make sandbox VM NAME (stopped) from a raw image or a snapshot.
 
     On a store on a reflink filesystem, its checkpoints hold the whole VM:
@@ -104,13 +103,13 @@ def vm_create(name, store_path, image, snapshot_id, kernel, memory, cpus, disk_o
         if snapshot_id is not None and image is None:
             # From a checkpoint with memory, the VM resumes its processes
             # when started (also on another host of a shared store).
-            box = Sandbox.from_checkpoint(open_store(store_path), snapshot_id, name,
+            box = Sandbox.from_checkpoint(store, snapshot_id, name,
                                           start=False, disk_only=disk_only, kernel=kernel,
                                           memory_mb=memory, cpus=cpus,
                                           memory=False if disk_only else None,
                                           progress=progress)
         else:
-            box = Sandbox.create(open_store(store_path), name, image=image,
+            box = Sandbox.create(store, name, image=image,
                                  snapshot=snapshot_id, kernel=kernel, memory_mb=memory,
                                  cpus=cpus, memory=False if disk_only else None,
                                  progress=progress)
@@ -120,16 +119,16 @@ def vm_create(name, store_path, image, snapshot_id, kernel, memory, cpus, disk_o
 
 @vm.command("start")
 @click.argument("name")
-@store_option
+@with_store()
 @click.option("--timeout", default=120.0, show_default=True, help="Seconds to wait for the boot.")
-def vm_start(name, store_path, timeout):
+def vm_start(name, store, timeout):
     """Boot VM NAME in the background; return when it runs commands.
 
     \b
     Example:
       blockdiff vm start box
     """
-    box = _sandbox(store_path, name)
+    box = _sandbox(store, name)
     with progress_bar("vm start") as progress:
         box.start(timeout=timeout, progress=progress)
     click.echo(f"VM {name} running ({box.status().accel})")
@@ -138,11 +137,11 @@ def vm_start(name, store_path, timeout):
 @vm.command("exec", context_settings={"ignore_unknown_options": True})
 @click.argument("name")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-@store_option
+@with_store()
 @click.option("--timeout", type=float, help="Kill the command after this many seconds.")
 @click.option("-i", "--stdin", "pass_stdin", is_flag=True, help="Pass this process's stdin.")
 @click.option("--cwd", default="/", show_default=True, help="Directory to run in.")
-def vm_exec(name, command, store_path, timeout, pass_stdin, cwd):
+def vm_exec(name, command, store, timeout, pass_stdin, cwd):
     """Run COMMAND in VM NAME; exit with its status.
 
     \b
@@ -150,7 +149,7 @@ def vm_exec(name, command, store_path, timeout, pass_stdin, cwd):
       blockdiff vm exec box -- sh -c 'echo hello > /root/greeting'
     """
     data = sys.stdin.buffer.read() if pass_stdin else b""
-    result = _sandbox(store_path, name).exec(list(command), timeout=timeout, input=data, cwd=cwd)
+    result = _sandbox(store, name).exec(list(command), timeout=timeout, input=data, cwd=cwd)
     sys.stdout.buffer.write(result.stdout)
     sys.stdout.flush()
     sys.stderr.buffer.write(result.stderr)
@@ -163,14 +162,14 @@ def vm_exec(name, command, store_path, timeout, pass_stdin, cwd):
 
 @vm.command("snapshot")
 @click.argument("name")
-@store_option
+@with_store()
 @message_option
 @meta_option
 @ttl_option
 @click.option("--disk-only", is_flag=True,
               help="Snapshot the disk alone, not the VM's memory.")
 @json_option
-def vm_snapshot(name, store_path, message, meta, ttl, disk_only, as_json):
+def vm_snapshot(name, store, message, meta, ttl, disk_only, as_json):
     """Checkpoint VM NAME (pausing it briefly); print the id last.
 
     A running VM created with memory checkpoints (the default) is
@@ -185,7 +184,7 @@ def vm_snapshot(name, store_path, message, meta, ttl, disk_only, as_json):
 
     from blockdiff.vm.checkpoint import memory_of
 
-    box = _sandbox(store_path, name)
+    box = _sandbox(store, name)
     snapshot_id = box.checkpoint(message, meta, ttl=ttl, memory=False if disk_only else None)
     t = box.last_checkpoint
     if as_json:
@@ -202,12 +201,12 @@ def vm_snapshot(name, store_path, message, meta, ttl, disk_only, as_json):
 @vm.command("restore")
 @click.argument("name")
 @click.argument("snapshot_id", metavar="ID")
-@store_option
+@with_store()
 @click.option("--disk-only", is_flag=True,
               help="Restore the files only: the VM's processes end and the disk is swapped "
                    "under the running guest, even for a checkpoint with memory.")
 @json_option
-def vm_restore(name, snapshot_id, store_path, disk_only, as_json):
+def vm_restore(name, snapshot_id, store, disk_only, as_json):
     """Put VM NAME back to checkpoint ID.
 
     A checkpoint with memory brings the VM back running, with the processes
@@ -222,7 +221,7 @@ def vm_restore(name, snapshot_id, store_path, disk_only, as_json):
     """
     import dataclasses
 
-    box = _sandbox(store_path, name)
+    box = _sandbox(store, name)
     snapshot_id = box.store.resolve(snapshot_id)
     result = box.restore(snapshot_id, disk_only=disk_only)
     if as_json:
@@ -237,12 +236,12 @@ def vm_restore(name, snapshot_id, store_path, disk_only, as_json):
 @click.argument("name")
 @click.argument("snapshot_id", metavar="ID")
 @click.argument("new_name", metavar="NEWNAME")
-@store_option
+@with_store()
 @click.option("--no-start", is_flag=True, help="Leave the new VM stopped.")
 @click.option("--disk-only", is_flag=True,
               help="Fork the files only and boot, even from a checkpoint with memory.")
 @json_option
-def vm_fork(name, snapshot_id, new_name, store_path, no_start, disk_only, as_json):
+def vm_fork(name, snapshot_id, new_name, store, no_start, disk_only, as_json):
     """Make VM NEWNAME, like NAME, from checkpoint ID, and start it.
 
     From a checkpoint with memory, the new VM resumes running where the
@@ -252,7 +251,7 @@ def vm_fork(name, snapshot_id, new_name, store_path, no_start, disk_only, as_jso
     Example:
       blockdiff vm fork box 3f2a9c0d1e2b4a5c box-b
     """
-    box = _sandbox(store_path, name)
+    box = _sandbox(store, name)
     snapshot_id = box.store.resolve(snapshot_id)
     with progress_bar("vm fork", as_json=as_json) as progress:
         other = box.fork(snapshot_id, new_name, start=not no_start, disk_only=disk_only,
@@ -272,36 +271,36 @@ def vm_fork(name, snapshot_id, new_name, store_path, no_start, disk_only, as_jso
 
 @vm.command("stop")
 @click.argument("name")
-@store_option
-def vm_stop(name, store_path):
+@with_store()
+def vm_stop(name, store):
     """Shut VM NAME down (cleanly; killed if it does not power off).
 
     \b
     Example:
       blockdiff vm stop box
     """
-    _sandbox(store_path, name).stop()
+    _sandbox(store, name).stop()
     click.echo(f"VM {name} stopped")
 
 
 @vm.command("rm")
 @click.argument("name")
-@store_option
-def vm_rm(name, store_path):
+@with_store()
+def vm_rm(name, store):
     """Stop VM NAME and delete it; its snapshots stay in the store.
 
     \b
     Example:
       blockdiff vm rm box
     """
-    _sandbox(store_path, name).destroy()
+    _sandbox(store, name).destroy()
     click.echo(f"removed VM {name}")
 
 
 @vm.command("ls")
-@store_option
+@with_store()
 @json_option
-def vm_ls(store_path, as_json):
+def vm_ls(store, as_json):
     """List the store's VMs: state, accelerator, whether their checkpoints hold
     memory, and the snapshot each descends from (and whether it has memory).
 
@@ -315,7 +314,7 @@ def vm_ls(store_path, as_json):
     """
     from blockdiff.vm.sandbox import Sandbox
 
-    statuses = [box.status() for box in Sandbox.list(open_store(store_path))]
+    statuses = [box.status() for box in Sandbox.list(store)]
     if as_json:
         return emit_records(statuses)
     for s in statuses:
