@@ -512,6 +512,34 @@ class Store(StoreState):
         return replication.sweep_remote(
             self, replication.SWEEP_GRACE if grace is None else grace)
 
+    def share_file(self, key: str, path: str | os.PathLike) -> bool:
+        """Keep a file every host of a shared store may need beside its
+        snapshots (a VM's kernel) in the object store under ``key``, once:
+        an object already there is left as it is. False for a store of one
+        host, which has no object store."""
+        if self.shared is None:
+            return False
+        self.remote.put_file(key, path)
+        return True
+
+    def fetch_shared_file(self, key: str, path: str | os.PathLike) -> bool:
+        """Bring the file :meth:`share_file` kept under ``key`` into a new file
+        at ``path``; False if there is none (or no object store)."""
+        if self.shared is None:
+            return False
+        info = self.remote.stat(key)
+        if info is None:
+            return False
+        self.remote.get_file(key, path, info.size)
+        return True
+
+    def wrap_catalog_lock(self, wrap) -> None:
+        """Have every statement and transaction on the catalog take the lock
+        ``wrap(lock)`` returns instead of the catalog connection's own
+        ``lock`` (the spares worker takes a flock with it, so that it is
+        never stopped holding the catalog)."""
+        self.catalog.db.lock = wrap(self.catalog.db.lock)
+
     def restore(self, snapshot_id: str, image: str | os.PathLike, *,
                 written: Written | None = None,
                 progress: Progress = NO_PROGRESS) -> RestoreResult:

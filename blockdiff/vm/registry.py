@@ -85,12 +85,6 @@ class Registry:
         self.store_root = store.root
         self._store = store
 
-    @property
-    def remote(self):
-        """A shared store's object store, which keeps its kernels too so that
-        a VM's snapshot boots on any host; None for a store of one host."""
-        return self._store.remote if self._store.shared is not None else None
-
     def entry(self, name: str) -> VMEntry:
         """VM ``name``; UnknownVM if there is none."""
         directory = self.root / check_name(name)
@@ -182,7 +176,7 @@ class Registry:
             return Path(image).parent
         if snapshot is not None and snapshot.meta.get("vm.kernel"):
             installed = self.kernels / snapshot.meta["vm.kernel"]
-            if not all((installed / f).is_file() for f in KERNEL_FILES) and self.remote:
+            if not all((installed / f).is_file() for f in KERNEL_FILES):
                 self._fetch_kernel(snapshot.meta["vm.kernel"])
             if all((installed / f).is_file() for f in KERNEL_FILES):
                 return installed
@@ -204,24 +198,23 @@ class Registry:
             target.mkdir(parents=True, exist_ok=True)
             for f in KERNEL_FILES:
                 copy_file(source / f, target / f)
-        if self.remote is not None:
-            for f in KERNEL_FILES:     # once: an object already there is left as it is
-                self.remote.put_file(f"kernels/{key}/{f}", target / f)
+        # A shared store keeps its kernels too, so a VM's snapshot boots on any host.
+        for f in KERNEL_FILES:
+            self._store.share_file(f"kernels/{key}/{f}", target / f)
         return key
 
     def _fetch_kernel(self, key: str) -> None:
-        """Bring a kernel another host installed from the object store, kept
-        only if its files hash to its name (the key is their content's)."""
-        if not re.fullmatch(r"[0-9a-f]{16}", key):
+        """Bring a kernel another host of a shared store installed from its
+        object store, kept only if its files hash to its name (the key is
+        their content's); nothing for a store of one host."""
+        if self._store.shared is None or not re.fullmatch(r"[0-9a-f]{16}", key):
             return
         staging = self.kernels / f".{key}.{os.getpid()}"
         try:
             staging.mkdir(parents=True)
             for f in KERNEL_FILES:
-                info = self.remote.stat(f"kernels/{key}/{f}")
-                if info is None:
+                if not self._store.fetch_shared_file(f"kernels/{key}/{f}", staging / f):
                     return
-                self.remote.get_file(f"kernels/{key}/{f}", staging / f, info.size)
             got = hashlib.sha256("".join(sha256_file(staging / f) for f in KERNEL_FILES)
                                  .encode()).hexdigest()[:16]
             if got != key:

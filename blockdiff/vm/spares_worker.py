@@ -77,7 +77,7 @@ def serve(request: dict, stop_lock: str) -> str | None:
     """Carry out one request: None, or why it failed."""
     try:
         with Store(request["store"]) as store:
-            store.catalog.db.lock = HeldAgainstStops(store.catalog.db.lock, stop_lock)
+            store.wrap_catalog_lock(lambda lock: HeldAgainstStops(lock, stop_lock))
             standby = Standby(store, Path(request["directory"]))
             if request["op"] == "prepare":
                 standby.prepare_spares_here(request["memory"], request["disk"],
