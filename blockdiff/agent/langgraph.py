@@ -65,7 +65,6 @@ key); only the DDL differs.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import os
 import random
@@ -88,10 +87,16 @@ from langgraph.checkpoint.base import (
     get_checkpoint_metadata,
 )
 
-from blockdiff.agent.disks import remove_disk_snapshot
+from blockdiff.agent.saver_deletion import (
+    CHUNK,
+    SnapshotRelease,
+    chunks,
+    drop_unused_blobs,
+    marks,
+    needed_by_latest,
+)
 from blockdiff.db import Database, Migrations, connect, migrate, schema_version
 from blockdiff.errors import (
-    DatabaseError,
     DiskWaitTimeout,
     MissingConfigKey,
     NoDiskSnapshot,
@@ -106,9 +111,6 @@ from blockdiff.store.shared import open_shared_database
 from blockdiff.store.store import Store
 
 DB_NAME = "langgraph.sqlite"
-# The agent layer's checkpoints (blockdiff.agent.agent.DB_NAME), whose disk snapshots
-# a prune leaves alone.
-AGENT_DB_NAME = "agent.sqlite"
 DISK_SNAPSHOT_KEY = "disk_snapshot"
 # How often a wait re-reads the database, for checkpoints saved by another
 # process or saver (those in this saver wake it at once).
@@ -117,8 +119,6 @@ _LIST_PAGE = 64
 # How many times put takes the disk snapshot again when a prune removed the
 # one it reused before it was recorded.
 _SNAPSHOT_ATTEMPTS = 3
-# Host parameters per statement, below SQLite's limit.
-_CHUNK = 500
 _CHECKPOINT_COLUMNS = ("thread_id, checkpoint_ns, checkpoint_id, parent_checkpoint_id, "
                        "checkpoint_type, checkpoint, metadata_type, metadata, disk_snapshot, "
                        "created")
@@ -281,15 +281,6 @@ def _thread_id(config: RunnableConfig | None) -> str:
     return str(thread_id)
 
 
-def _chunks(items: list, size: int = _CHUNK) -> Iterator[list]:
-    for start in range(0, len(items), size):
-        yield items[start:start + size]
-
-
-def _marks(chunk: list) -> str:
-    return ", ".join("?" * len(chunk))
-
-
 def _key_config(thread_id: str, checkpoint_ns: str, checkpoint_id: str) -> RunnableConfig:
     return {"configurable": {"thread_id": thread_id, "checkpoint_ns": checkpoint_ns,
                              "checkpoint_id": checkpoint_id}}
@@ -340,7 +331,7 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
                 disk_store.push_in_background()
         # The SQLite file of the checkpoints; None in a Database given.
         self.path = self.root / DB_NAME if db is None else None
-        self._agent_db = agent_db
+        self._releases = SnapshotRelease(self._store, self.root, agent_db)
         # One connection shared by LangGraph's worker threads, used under its
         # lock: a connection per thread would outlive pool threads and hold
         # the file open.
@@ -419,7 +410,7 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
         # Blobs are looked up by (channel, version) pairs: a checkpoint stores only
         # the channels that changed, and shares the rest with its ancestors. The
         # pairs are a VALUES list joined on the blobs' key: one index lookup each.
-        for chunk in _chunks(wanted, _CHUNK // 2):
+        for chunk in chunks(wanted, CHUNK // 2):
             pairs = ", ".join(["(?, ?)"] * len(chunk))
             for channel, value_type, value in db.execute(
                     f"WITH wanted (channel, version) AS (VALUES {pairs}) "
@@ -642,7 +633,7 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
                         "FROM checkpoints WHERE thread_id = ? AND checkpoint_ns = ? "
                         "ORDER BY checkpoint_id DESC", (thread, ns)).fetchall()
                     keep = (set() if strategy == "delete"
-                            else self._needed_by_latest(db, thread, ns, rows))
+                            else needed_by_latest(self.serde, db, thread, ns, rows))
                     doomed += [(thread, ns, cid, snap) for cid, _, snap in rows
                                if cid not in keep]
                 if strategy == "delete":
@@ -666,64 +657,16 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
         def select(db) -> list[tuple]:
             self._record_run_ids(db)
             doomed = []
-            for chunk in _chunks(runs):
+            for chunk in chunks(runs):
                 doomed += db.execute(
                     "SELECT c.thread_id, c.checkpoint_ns, c.checkpoint_id, c.disk_snapshot "
                     "FROM checkpoint_runs r JOIN checkpoints c USING (thread_id, checkpoint_ns, "
-                    f"checkpoint_id) WHERE r.run_id IN ({_marks(chunk)})", chunk).fetchall()
+                    f"checkpoint_id) WHERE r.run_id IN ({marks(chunk)})", chunk).fetchall()
             return doomed
 
         self._delete_and_release(select)
 
     # ------------------------------------------------------------ deleting
-
-    def _needed_by_latest(self, db, thread_id: str, checkpoint_ns: str,
-                          rows: list[tuple]) -> set[str]:
-        """Of a namespace's checkpoints (``(id, parent, snapshot)``, newest
-        first): the newest, and the ancestors LangGraph's ancestor walk
-        (``get_delta_channel_history``) reads to rebuild its delta channels."""
-        if not rows:
-            return set()
-        parents = {cid: parent for cid, parent, _ in rows}
-        latest = rows[0][0]
-        keep = {latest}
-        metadata_type, metadata = db.execute(
-            "SELECT metadata_type, metadata FROM checkpoints WHERE thread_id = ? "
-            "AND checkpoint_ns = ? AND checkpoint_id = ?",
-            (thread_id, checkpoint_ns, latest)).fetchone()
-        # LangGraph counts, per delta channel, the steps since its last full
-        # snapshot; a channel it lists is rebuilt from the ancestors' writes.
-        counters = (self.serde.loads_typed((metadata_type, metadata)) or {}).get(
-            "counters_since_delta_snapshot") or {}
-        if not counters:
-            return keep
-        versions = self._channel_versions(db, thread_id, checkpoint_ns, latest)
-        missing = {ch for ch in counters if ch in versions
-                   and not self._has_value(db, thread_id, checkpoint_ns, ch, versions[ch])}
-        cursor = parents[latest]
-        while missing and cursor in parents:
-            keep.add(cursor)
-            versions = self._channel_versions(db, thread_id, checkpoint_ns, cursor)
-            missing = {ch for ch in missing if not (
-                ch in versions
-                and self._has_value(db, thread_id, checkpoint_ns, ch, versions[ch]))}
-            cursor = parents[cursor]
-        return keep
-
-    def _channel_versions(self, db, thread_id: str, checkpoint_ns: str,
-                          checkpoint_id: str) -> dict[str, Any]:
-        checkpoint_type, checkpoint = db.execute(
-            "SELECT checkpoint_type, checkpoint FROM checkpoints WHERE thread_id = ? "
-            "AND checkpoint_ns = ? AND checkpoint_id = ?",
-            (thread_id, checkpoint_ns, checkpoint_id)).fetchone()
-        return self.serde.loads_typed((checkpoint_type, checkpoint))["channel_versions"]
-
-    @staticmethod
-    def _has_value(db, thread_id: str, checkpoint_ns: str, channel: str, version) -> bool:
-        return db.execute(
-            "SELECT 1 FROM blobs WHERE thread_id = ? AND checkpoint_ns = ? AND channel = ? "
-            "AND version = ? AND type != 'empty'",
-            (thread_id, checkpoint_ns, channel, str(version))).fetchone() is not None
 
     def _record_run_ids(self, db) -> None:
         """Record the run of checkpoints saved without (before the table, or
@@ -755,9 +698,9 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
                 db.executemany(f"DELETE FROM {table} WHERE thread_id = ? "
                                "AND checkpoint_ns = ? AND checkpoint_id = ?", keys)
             for thread_id, checkpoint_ns in sorted({row[:2] for row in doomed}):
-                self._drop_unused_blobs(db, thread_id, checkpoint_ns)
+                drop_unused_blobs(self.serde, db, thread_id, checkpoint_ns)
             try:
-                errors = self._release(db, {row[3] for row in doomed if row[3]})
+                errors = self._releases.release(db, {row[3] for row in doomed if row[3]})
             except BaseException as e:     # raised once the deletion is committed
                 failure = e
         if failure is not None:
@@ -768,92 +711,6 @@ class BlockdiffSaver(BaseCheckpointSaver[str]):
                 f"the checkpoints were deleted, but {len(errors)} disk snapshot(s) only they "
                 f"used could not be removed from {self.root} ({listed}); remove them with: "
                 f"blockdiff rm --store {self.root} ID", errors)
-
-    def _drop_unused_blobs(self, db, thread_id: str, checkpoint_ns: str) -> None:
-        used = set()
-        for checkpoint_type, checkpoint in db.execute(
-                "SELECT checkpoint_type, checkpoint FROM checkpoints WHERE thread_id = ? "
-                "AND checkpoint_ns = ?", (thread_id, checkpoint_ns)).fetchall():
-            versions = self.serde.loads_typed((checkpoint_type, checkpoint))["channel_versions"]
-            used.update((channel, str(version)) for channel, version in versions.items())
-        unused = [(thread_id, checkpoint_ns, channel, version)
-                  for channel, version in db.execute(
-                      "SELECT channel, version FROM blobs WHERE thread_id = ? "
-                      "AND checkpoint_ns = ?", (thread_id, checkpoint_ns)).fetchall()
-                  if (channel, version) not in used]
-        db.executemany("DELETE FROM blobs WHERE thread_id = ? AND checkpoint_ns = ? "
-                       "AND channel = ? AND version = ?", unused)
-
-    def _release(self, db, snapshots: set[str]) -> dict[str, BaseException]:
-        """Remove from the store those of ``snapshots`` (named by checkpoints
-        just deleted in ``db``'s transaction) that nothing needs any more:
-        no checkpoint of any thread names them, nor an agent checkpoint, and
-        a LangGraph saver took them. Returns the errors, by snapshot id."""
-        unused = set(snapshots)
-        for chunk in _chunks(sorted(unused)):
-            unused -= {r[0] for r in db.execute(
-                "SELECT DISTINCT disk_snapshot FROM checkpoints "
-                f"WHERE disk_snapshot IN ({_marks(chunk)})", chunk)}
-        unused -= self._agent_references(unused)
-        if not unused:
-            return {}
-        errors: dict[str, BaseException] = {}
-        with self._removal_store() as store:
-            for snapshot_id in sorted(unused):
-                try:
-                    snap = store.get(snapshot_id)
-                    # A snapshot another program took (a base image's, a VM's
-                    # own) that an unchanged disk reused is not the saver's.
-                    if "langgraph.checkpoint" not in (snap.meta or {}):
-                        continue
-                    remove_disk_snapshot(store, snapshot_id)
-                except UnknownSnapshot:
-                    continue        # removed already, or in another store
-                except Exception as e:      # the rest are still removed
-                    errors[snapshot_id] = e
-        return errors
-
-    def _agent_references(self, snapshots: set[str]) -> set[str]:
-        """Those of ``snapshots`` that agent checkpoints (``blockdiff.agent.agent``,
-        in the same store, or in ``agent_db``) name; all of them if that
-        database cannot be read."""
-        if self._agent_db is not None:
-            return self._snapshots_named(self._agent_db, snapshots)
-        path = self.root / AGENT_DB_NAME
-        if not snapshots or not path.exists():
-            return set()
-        try:
-            agent_db = connect(path, readonly=True)
-        except (DatabaseError, OSError):
-            return set(snapshots)
-        try:
-            return self._snapshots_named(agent_db, snapshots)
-        finally:
-            agent_db.close()
-
-    @staticmethod
-    def _snapshots_named(agent_db: Database, snapshots: set[str]) -> set[str]:
-        """Those of ``snapshots`` that the agent checkpoints in ``agent_db``
-        name; all of them if it cannot be read."""
-        if not snapshots:
-            return set()
-        try:
-            found = set()
-            for chunk in _chunks(sorted(snapshots)):
-                found |= {r[0] for r in agent_db.execute(
-                    "SELECT DISTINCT disk_snapshot FROM checkpoints "
-                    f"WHERE disk_snapshot IN ({_marks(chunk)})", chunk)}
-            return found
-        except (DatabaseError, OSError):
-            return set(snapshots)
-
-    @contextlib.contextmanager
-    def _removal_store(self):
-        if self._store is not None:
-            yield self._store
-        else:
-            with Store(self.root, freeing=True) as store:
-                yield store
 
     def _snapshot_removed(self, snapshot: str) -> bool:
         """Whether a snapshot the disk returned is gone from its store (a prune
